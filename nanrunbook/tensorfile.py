@@ -109,9 +109,9 @@ def _where(relpath: str) -> str:
 def check_relative_path(relpath: str) -> list[Violation]:
     """FILE_PATH_UNSAFE violations of a manifest tensor-file path (empty list when safe).
 
-    Beyond the spec's list (empty, absolute, '..', backslash, NUL) empty components
-    ('a//b', trailing '/') and '.' components are refused too: a path must be in
-    canonical form so that one file has one spelling in the manifest.
+    Exactly the spec's list (empty, absolute, '..', backslash, NUL): '.' and empty
+    components are allowed, as the spec allows them; two spellings of one file are
+    recognised as one file when the bundle is read.
     """
     where = _where(relpath)
     problems: list[str] = []
@@ -129,10 +129,6 @@ def check_relative_path(relpath: str) -> list[Violation]:
             parts = parts[1:]
         if ".." in parts:
             problems.append("the path has a '..' component")
-        if "." in parts:
-            problems.append("the path has a '.' component")
-        if "" in parts:
-            problems.append("the path has an empty component ('//' or a trailing '/')")
     return [
         Violation("FILE_PATH_UNSAFE", where, f"tensor file path {quote(relpath)}: {problem}")
         for problem in problems

@@ -1,0 +1,66 @@
+"""nanrunbook: check NaN-incident evidence bundles and answer HOLD or CONTINUE.
+
+The library API the CLI is built on::
+
+    import nanrunbook
+    try:
+        report = nanrunbook.check_bundle("bundle/")
+    except nanrunbook.EvidenceRejected as error:
+        for violation in error.violations: ...
+    else:
+        report.decision.decision  # "HOLD" or "CONTINUE_BOUNDED_DIAGNOSTICS"
+
+Names are imported on first use, so ``nanrunbook --help`` loads no numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from .check import check_bundle
+    from .contract import Caps, contract_content_id, contract_document
+    from .decision import decide
+    from .errors import EvidenceRejected, Violation
+    from .report import Report, report_document
+
+_LAZY = {
+    "check_bundle": ".check",
+    "Caps": ".contract",
+    "contract_content_id": ".contract",
+    "contract_document": ".contract",
+    "decide": ".decision",
+    "EvidenceRejected": ".errors",
+    "Violation": ".errors",
+    "Report": ".report",
+    "report_document": ".report",
+}
+
+__all__ = [
+    "Caps",
+    "EvidenceRejected",
+    "Report",
+    "Violation",
+    "__version__",
+    "check_bundle",
+    "contract_content_id",
+    "contract_document",
+    "decide",
+    "report_document",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanrunbook' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

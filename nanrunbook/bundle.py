@@ -1,0 +1,289 @@
+"""The bundle on disk: manifest bytes, tensor files bound to entries, recounts.
+
+Read-only by construction: files are opened O_RDONLY, never mapped, and read in
+bounded chunks; no path leaves the bundle directory (see ``tensorfile``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .dtypes import DTYPES
+from .errors import EvidenceRejected, Violation, quote
+from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
+from .scan import ShortRead, TensorScan, scan_range
+from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, open_in_bundle, read_header
+
+__all__ = ["CODES", "MANIFEST_MAX_BYTES", "read_manifest_bytes", "verify_bundle"]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_MAX_BYTES = 16 * 1024 * 1024
+# A header holds at most the entries the manifest binds to its file; this much per
+# entry is far more than any writer needs, and the base leaves room for __metadata__.
+HEADER_BASE_BYTES = 16 * 1024 * 1024
+HEADER_BYTES_PER_ENTRY = 4096
+
+CODES = {
+    "BUNDLE_NOT_FOUND": "the bundle path does not exist",
+    "BUNDLE_NOT_DIRECTORY": "the bundle path is not a directory",
+    "MANIFEST_MISSING": "the bundle has no manifest.json",
+    "MANIFEST_UNREADABLE": "manifest.json cannot be read, or is not a regular file",
+    "MANIFEST_TOO_LARGE": "manifest.json is larger than 16 MiB",
+    "TENSOR_NOT_IN_FILE": "a manifest entry names a tensor its file does not hold",
+    "TENSOR_UNBOUND": "a tensor file holds a tensor no manifest entry binds",
+    "TENSOR_DTYPE_MISMATCH": "an entry's dtype differs from its file header",
+    "TENSOR_SHAPE_MISMATCH": "an entry's shape differs from its file header",
+    "DIGEST_MISMATCH": "a tensor's SHA-256 differs from its entry",
+    "COUNTS_RECOUNT_MISMATCH": "declared counts differ from the recount of a complete stage",
+    "FINITE_MAX_ABS_RECOUNT_MISMATCH": "declared finite_max_abs differs from the recount",
+    "FILE_CHANGED": "a tensor file changed size while it was read",
+    "EVIDENCE_CONTENT_ID_MISMATCH": "evidence_content_id differs from the recomputed id",
+}
+
+Progress = Callable[[int], None]
+
+
+def _reject(code: str, where: str, message: str) -> EvidenceRejected:
+    return EvidenceRejected([Violation(code, where, message)])
+
+
+def read_manifest_bytes(bundle: Path) -> bytes:
+    """The manifest's bytes, refusing anything but a bounded regular file."""
+    try:
+        info = os.stat(bundle)
+    except FileNotFoundError:
+        raise _reject("BUNDLE_NOT_FOUND", str(bundle), "no such file or directory") from None
+    except OSError as err:
+        raise _reject("BUNDLE_NOT_FOUND", str(bundle), err.strerror or "cannot stat") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise _reject("BUNDLE_NOT_DIRECTORY", str(bundle), "a bundle is a directory")
+    try:
+        fd = open_in_bundle(bundle, MANIFEST_NAME)
+    except EvidenceRejected as err:
+        code = "MANIFEST_MISSING" if err.codes == ("FILE_MISSING",) else "MANIFEST_UNREADABLE"
+        raise _reject(code, MANIFEST_NAME, err.violations[0].message) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MANIFEST_MAX_BYTES:
+            raise _reject("MANIFEST_TOO_LARGE", MANIFEST_NAME, f"{size} bytes, limit 16 MiB")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MANIFEST_MAX_BYTES:  # it grew while read
+                raise _reject("MANIFEST_TOO_LARGE", MANIFEST_NAME, "larger than 16 MiB")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as err:
+        raise _reject("MANIFEST_UNREADABLE", MANIFEST_NAME, err.strerror or "read failed") from None
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """A complete-stage entry and where the manifest declares it."""
+
+    entry: TensorEntry
+    path: str  # JSON path of the entry
+
+
+def verify_bundle(
+    bundle: Path, manifest: Manifest, progress: Progress | None = None
+) -> tuple[tuple[StageFinding, ...], list[Violation]]:
+    """Bind every complete entry to its file, hash and recount it, compare."""
+    violations: list[Violation] = []
+    by_file: dict[str, list[_Bound]] = {}
+    for s_index, stage in enumerate(manifest.stages):
+        if stage.status != "OBSERVED" or stage.resolution != "complete":
+            continue
+        for t_index, entry in enumerate(stage.tensors):
+            assert entry.file is not None
+            by_file.setdefault(entry.file, []).append(
+                _Bound(entry, f"$.stages[{s_index}].tensors[{t_index}]")
+            )
+
+    scans: dict[str, TensorScan] = {}
+    # Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
+    # one file: its tensors must be bound once across all of them.
+    opened: dict[tuple[int, int], tuple[int, str, list[_Bound]]] = {}
+    try:
+        for relpath, bound in by_file.items():
+            try:
+                fd = open_in_bundle(bundle, relpath)
+            except EvidenceRejected as err:
+                violations.extend(err.violations)
+                continue
+            info = os.fstat(fd)
+            identity = (info.st_dev, info.st_ino)
+            if identity in opened:
+                os.close(fd)
+                opened[identity][2].extend(bound)
+            else:
+                opened[identity] = (fd, relpath, list(bound))
+        for fd, relpath, bound in opened.values():
+            violations.extend(_verify_file(fd, relpath, bound, scans, progress))
+    finally:
+        for fd, _, _ in opened.values():
+            os.close(fd)
+
+    findings = tuple(_stage_finding(stage, scans) for stage in manifest.stages)
+    for s_index, (stage, finding) in enumerate(zip(manifest.stages, findings, strict=True)):
+        if stage.resolution != "complete" or any(t.counts is None for t in finding.tensors):
+            continue
+        violations.extend(_compare_recount(stage.counts, finding, f"$.stages[{s_index}]"))
+        if stage.finite_max_abs_declared and stage.finite_max_abs != finding.finite_max_abs:
+            violations.append(
+                Violation(
+                    "FINITE_MAX_ABS_RECOUNT_MISMATCH",
+                    f"$.stages[{s_index}].finite_max_abs",
+                    f"declared {stage.finite_max_abs!r}, recounted {finding.finite_max_abs!r}",
+                )
+            )
+    return findings, violations
+
+
+def _verify_file(
+    fd: int,
+    relpath: str,
+    bound: Sequence[_Bound],
+    scans: dict[str, TensorScan],
+    progress: Progress | None,
+) -> list[Violation]:
+    limit = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * len(bound)
+    try:
+        header = read_header(fd, relpath, max_header_len=min(limit, MAX_HEADER_LEN))
+    except EvidenceRejected as err:
+        return list(err.violations)
+    found = _binding_violations(header, relpath, bound)
+    if found:
+        return found
+    for item in bound:
+        entry = header.entries[item.entry.name]
+        try:
+            scan = scan_range(fd, entry.begin, entry.end - entry.begin, entry.dtype)
+        except ShortRead:
+            return [Violation("FILE_CHANGED", relpath, "the file shrank while it was read")]
+        if progress is not None:
+            progress(entry.end - entry.begin)
+        if scan.sha256 != item.entry.sha256:
+            found.append(
+                Violation(
+                    "DIGEST_MISMATCH",
+                    f"{item.path}.sha256",
+                    f"the data of {quote(item.entry.name)} hashes to {scan.sha256}",
+                )
+            )
+        scans[item.entry.name] = scan
+    if os.fstat(fd).st_size != header.size:
+        found.append(Violation("FILE_CHANGED", relpath, "the file changed size while it was read"))
+    return found
+
+
+def _binding_violations(
+    header: TensorFileHeader, relpath: str, bound: Sequence[_Bound]
+) -> list[Violation]:
+    found: list[Violation] = []
+    names = {item.entry.name for item in bound}
+    for item in bound:
+        entry = header.entries.get(item.entry.name)
+        if entry is None:
+            found.append(
+                Violation(
+                    "TENSOR_NOT_IN_FILE",
+                    f"{item.path}.name",
+                    f"{quote(item.entry.name)} is not in {quote(relpath)}",
+                )
+            )
+            continue
+        if entry.dtype != item.entry.dtype:
+            found.append(
+                Violation(
+                    "TENSOR_DTYPE_MISMATCH",
+                    f"{item.path}.dtype",
+                    f"the file stores {entry.dtype}, the entry says {item.entry.dtype}",
+                )
+            )
+        if entry.shape != item.entry.shape:
+            found.append(
+                Violation(
+                    "TENSOR_SHAPE_MISMATCH",
+                    f"{item.path}.shape",
+                    f"the file stores {list(entry.shape)}, the entry says {list(item.entry.shape)}",
+                )
+            )
+    for name in header.entries:
+        if name not in names:
+            found.append(
+                Violation(
+                    "TENSOR_UNBOUND",
+                    relpath,
+                    f"{quote(name)} is stored but no manifest entry binds it",
+                )
+            )
+    return found
+
+
+def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFinding:
+    if stage.status != "OBSERVED":
+        return StageFinding(stage, None, None, None, ())
+    if stage.resolution == "summary":
+        tensors = tuple(TensorFinding(entry, None, None) for entry in stage.tensors)
+        return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tensors)
+    findings: list[TensorFinding] = []
+    for entry in stage.tensors:
+        scan = scans.get(entry.name)
+        if scan is None:  # not read: a file-level violation is already reported
+            findings.append(TensorFinding(entry, None, None))
+            continue
+        tally = scan.tally
+        counts = Counts(tally.elements, tally.finite, tally.nan, tally.posinf, tally.neginf)
+        findings.append(TensorFinding(entry, counts, tally.max_abs))
+    complete = all(f.counts is not None for f in findings)
+    if not complete:
+        return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tuple(findings))
+    counts = _sum_counts([f.counts for f in findings if f.counts is not None])
+    maxima = [
+        f.finite_max_abs
+        for f in findings
+        if f.finite_max_abs is not None and DTYPES[f.entry.dtype].floating
+    ]
+    return StageFinding(stage, counts, "recounted", max(maxima, default=None), tuple(findings))
+
+
+def _compare_recount(declared: Counts | None, finding: StageFinding, path: str) -> list[Violation]:
+    recounted = finding.counts
+    if declared is None or recounted is None or declared == recounted:
+        return []
+    return [
+        Violation(
+            "COUNTS_RECOUNT_MISMATCH",
+            f"{path}.counts",
+            f"declared {_show(declared)}, recounted {_show(recounted)}: the probe sampled "
+            "another slice or ran after the value was replaced",
+        )
+    ]
+
+
+def _show(counts: Counts) -> str:
+    return (
+        f"finite={counts.finite} nan={counts.nan} posinf={counts.posinf} "
+        f"neginf={counts.neginf} of {counts.elements}"
+    )
+
+
+def _sum_counts(parts: Sequence[Counts]) -> Counts:
+    return Counts(
+        elements=sum(c.elements for c in parts),
+        finite=sum(c.finite for c in parts),
+        nan=sum(c.nan for c in parts),
+        posinf=sum(c.posinf for c in parts),
+        neginf=sum(c.neginf for c in parts),
+    )

@@ -1,0 +1,80 @@
+"""``check_bundle``: the whole check, from a directory to a verdict.
+
+Order matters: the manifest is parsed and judged, caps included, before a byte
+of tensor data is read, so hostile declarations cost nothing to refuse.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .bundle import Progress, read_manifest_bytes, verify_bundle
+from .content_id import evidence_content_id
+from .contract import Caps, contract_content_id
+from .decision import decide
+from .errors import EvidenceRejected, Violation
+from .manifest import parse_manifest
+from .report import Report
+from .rules import scaler_stage_violations
+from .runbook import checklist
+from .strictjson import load_manifest_bytes
+
+__all__ = ["check_bundle"]
+
+
+def check_bundle(
+    path: str | os.PathLike[str],
+    *,
+    caps: Caps | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Check the evidence bundle at ``path``.
+
+    Returns a :class:`~nanrunbook.report.Report` (HOLD or CONTINUE) or raises
+    :class:`~nanrunbook.errors.EvidenceRejected` listing every violation found.
+    Never writes. ``progress``, if given, is called with each tensor's byte count
+    as it is read.
+    """
+    caps = caps or Caps()
+    bundle = Path(path)
+    tree = load_manifest_bytes(read_manifest_bytes(bundle))
+    manifest, violations = parse_manifest(tree, caps)
+    declared_id = tree.get("evidence_content_id")
+    recomputed = evidence_content_id(tree)
+    if isinstance(declared_id, str) and declared_id != recomputed:
+        violations.append(
+            Violation(
+                "EVIDENCE_CONTENT_ID_MISMATCH",
+                "$.evidence_content_id",
+                f"the manifest's content recomputes to {recomputed}",
+            )
+        )
+    if manifest is None:
+        raise EvidenceRejected(violations)
+
+    # A stale content id still lets the data be checked: report both at once.
+    findings, file_violations = verify_bundle(bundle, manifest, progress)
+    violations.extend(file_violations)
+    # found_inf was checked against declared counts; check it against what was read.
+    violations.extend(
+        v
+        for v in scaler_stage_violations(manifest.binding.scaler, findings, "$", gradients=None)
+        if v.code == "SCALER_FOUND_INF_MISMATCH"
+    )
+    if violations:
+        raise EvidenceRejected(_unique(violations))
+
+    decision = decide(findings)
+    return Report(
+        bundle=str(bundle),
+        contract_content_id=contract_content_id(caps),
+        manifest=manifest,
+        stages=findings,
+        decision=decision,
+        checklist=checklist(decision.earliest_nonfinite_stage),
+    )
+
+
+def _unique(violations: list[Violation]) -> list[Violation]:
+    return list(dict.fromkeys(violations))

@@ -1,0 +1,104 @@
+"""The incident contract training-incident-v1: stage order, actions, caps, bounds.
+
+The contract document is data, and its RFC 8785 digest is the contract content
+id that every report carries: raising a cap changes the id, so two reports can
+only be compared when they were judged under the same contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import rfc8785
+
+from .model import STAGE_ORDER
+
+__all__ = [
+    "ACTIONS",
+    "BUNDLE_FORMAT",
+    "CONTINUE",
+    "CONTRACT_VERSION",
+    "HOLD",
+    "NO_NONFINITE_ACTION",
+    "ROOT_CAUSE_CLAIM",
+    "Caps",
+    "contract_content_id",
+    "contract_document",
+]
+
+CONTRACT_VERSION = "training-incident-v1"
+BUNDLE_FORMAT = "nanrunbook-bundle/1"
+HOLD = "HOLD"
+CONTINUE = "CONTINUE_BOUNDED_DIAGNOSTICS"
+ROOT_CAUSE_CLAIM = "NONE_SYMPTOM_LOCATION_IS_NOT_CAUSALITY"
+NO_NONFINITE_ACTION = "no-nonfinite-evidenced-check-other-signals"
+ACTIONS: dict[str, str] = {
+    "input": "hold-and-inspect-input-data-contract",
+    "forward": "hold-and-replay-forward-activations",
+    "loss": "hold-and-inspect-objective-reduction",
+    "backward": "hold-and-inspect-gradient-path-and-loss-scaling",
+    "optimizer": "hold-and-inspect-optimizer-state-and-update",
+}
+CONTRACT_ID_PREFIX = "training-incident-contract@sha256:"
+
+# Bounds fixed by the format; unlike the caps, no option changes them.
+BOUNDS: dict[str, Any] = {
+    "manifest_max_bytes": 16 * 1024 * 1024,
+    "manifest_max_depth": 32,
+    "safe_integer_max": 2**53 - 1,
+    "identifier_pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,255}$",
+    "free_text_max_chars": 1024,
+    "tensor_name_max_chars": 256,
+    "tensor_header_max_bytes": 100_000_000,
+    "scale_min_exponent": -24,
+    "scale_max_exponent": 24,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """Work bounds checked before any tensor data is read."""
+
+    max_stage_elements: int = 2**31
+    max_bundle_elements: int = 2**33
+    max_stage_tensors: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_stage_elements", "max_bundle_elements", "max_stage_tensors"):
+            value = getattr(self, name)
+            # bool is an int subclass; a cap of True is a caller's bug.
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer")
+            if value > 2**53 - 1:
+                raise ValueError(f"{name} must be at most 2^53 - 1")
+
+
+def contract_document(caps: Caps | None = None) -> dict[str, Any]:
+    """The contract in force, as ``nanrunbook contract --format json`` prints it."""
+    caps = caps or Caps()
+    return {
+        "contract_version": CONTRACT_VERSION,
+        "bundle_format": BUNDLE_FORMAT,
+        "stage_order": list(STAGE_ORDER),
+        "actions": dict(ACTIONS),
+        "no_nonfinite_action": NO_NONFINITE_ACTION,
+        "decisions": {
+            HOLD: {"exit_code": 1, "when": "an OBSERVED stage has a non-finite element"},
+            CONTINUE: {"exit_code": 0, "when": "no OBSERVED stage has a non-finite element"},
+            "REJECTED": {"exit_code": 3, "when": "the evidence breaks the contract"},
+        },
+        "root_cause_claim": ROOT_CAUSE_CLAIM,
+        "caps": {
+            "max_stage_elements": caps.max_stage_elements,
+            "max_bundle_elements": caps.max_bundle_elements,
+            "max_stage_tensors": caps.max_stage_tensors,
+        },
+        "bounds": dict(BOUNDS),
+    }
+
+
+def contract_content_id(caps: Caps | None = None) -> str:
+    canonical: bytes = rfc8785.dumps(contract_document(caps))
+    return CONTRACT_ID_PREFIX + hashlib.sha256(canonical).hexdigest()

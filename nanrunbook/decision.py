@@ -1,0 +1,100 @@
+"""HOLD or CONTINUE_BOUNDED_DIAGNOSTICS, from checked stage findings (spec section 8).
+
+:func:`decide` trusts nothing it is handed: frozen dataclasses can still be
+altered with ``object.__setattr__``, so it revalidates every invariant the
+decision rests on before it answers, and rejects records that contradict
+themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .contract import ACTIONS, CONTINUE, HOLD, NO_NONFINITE_ACTION, ROOT_CAUSE_CLAIM
+from .errors import EvidenceRejected, Violation
+from .model import Counts, Decision, StageFinding, StageRecord, TensorFinding
+from .rules import counts_violations, sequence_violations
+
+__all__ = ["CODES", "decide", "finding_violations"]
+
+CODES = {
+    "RECORD_INCONSISTENT": "an evidence record handed to the decision contradicts itself "
+    "(altered after it was checked)",
+}
+
+
+def _inconsistent(where: str, message: str) -> Violation:
+    return Violation("RECORD_INCONSISTENT", where, message)
+
+
+def finding_violations(stages: Sequence[StageFinding]) -> list[Violation]:
+    """Every invariant of the findings that the decision depends on."""
+    path = "$.stages"
+    if not isinstance(stages, tuple | list) or not all(
+        isinstance(s, StageFinding) and isinstance(s.record, StageRecord) for s in stages
+    ):
+        return [_inconsistent(path, "expected a sequence of StageFinding records")]
+    found = sequence_violations(stages, path)
+    for index, stage in enumerate(stages):
+        where = f"{path}[{index}]"
+        if stage.status not in ("OBSERVED", "NOT_RUN"):
+            found.append(_inconsistent(f"{where}.status", "status is OBSERVED or NOT_RUN"))
+            continue
+        if stage.status == "NOT_RUN":
+            if stage.counts is not None or stage.tensors:
+                found.append(_inconsistent(where, "a NOT_RUN stage carries no counts or tensors"))
+            continue
+        if not isinstance(stage.counts, Counts):
+            found.append(_inconsistent(f"{where}.counts", "an OBSERVED stage has counts"))
+            continue
+        found.extend(counts_violations(stage.counts, f"{where}.counts"))
+        found.extend(_source_violations(stage, where))
+    return found
+
+
+def _source_violations(stage: StageFinding, where: str) -> list[Violation]:
+    counts = stage.counts
+    assert counts is not None
+    if stage.counts_source == "declared":
+        if counts != stage.record.counts:
+            return [_inconsistent(f"{where}.counts", "declared counts differ from the record's")]
+        return []
+    if stage.counts_source != "recounted":
+        return [_inconsistent(f"{where}.counts_source", "counts are recounted or declared")]
+    tensors: Sequence[TensorFinding] = stage.tensors
+    if len(tensors) != len(stage.record.tensors) or any(
+        not isinstance(t.counts, Counts) for t in tensors
+    ):
+        return [_inconsistent(f"{where}.tensors", "a recounted stage has counts for every tensor")]
+    total = [0, 0, 0, 0, 0]
+    for tensor in tensors:
+        assert tensor.counts is not None
+        c = tensor.counts
+        for i, value in enumerate((c.elements, c.finite, c.nan, c.posinf, c.neginf)):
+            total[i] += value
+    if tuple(total) != (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf):
+        return [_inconsistent(f"{where}.counts", "stage counts are not the sum of its tensors'")]
+    return []
+
+
+def decide(stages: Sequence[StageFinding]) -> Decision:
+    """The decision for five checked stages; EvidenceRejected if they contradict themselves."""
+    problems = finding_violations(stages)
+    if problems:
+        raise EvidenceRejected(problems)
+    for stage in stages:
+        if stage.status == "OBSERVED" and stage.counts is not None and stage.counts.nonfinite:
+            return Decision(
+                decision=HOLD,
+                earliest_nonfinite_stage=stage.stage,
+                first_nonfinite_tensor=stage.first_nonfinite_tensor,
+                action=ACTIONS[stage.stage],
+                root_cause_claim=ROOT_CAUSE_CLAIM,
+            )
+    return Decision(
+        decision=CONTINUE,
+        earliest_nonfinite_stage=None,
+        first_nonfinite_tensor=None,
+        action=NO_NONFINITE_ACTION,
+        root_cause_claim=ROOT_CAUSE_CLAIM,
+    )

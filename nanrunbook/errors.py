@@ -1,0 +1,65 @@
+"""The one error type of nanrunbook, and the violations it carries.
+
+Every rejection names all violations found, each with a stable code (listed in
+``nanrunbook.codes``), the JSON path or bundle file it concerns, and a one-line
+message. Messages never contain raw untrusted text: callers pass such text
+through :func:`quote` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["EvidenceRejected", "Violation", "quote"]
+
+_MAX_QUOTED = 80
+
+
+def quote(text: object) -> str:
+    """Show untrusted text on one line, escaped, shortened: safe in any output."""
+    shown = str(text)
+    if len(shown) > _MAX_QUOTED:
+        shown = shown[:_MAX_QUOTED] + "…"
+    # ascii() escapes every control, bidi and non-ASCII character.
+    return ascii(shown)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule: stable ``code``, ``where`` (JSON path or file), ``message``."""
+
+    code: str
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.where}: {self.message}"
+
+
+class EvidenceRejected(Exception):
+    """The evidence cannot be judged; ``violations`` lists every reason found.
+
+    The CLI maps it to exit code 3. It renders its own one-line summary, so a
+    caller can show ``str(error)`` to a person as it is.
+    """
+
+    code = "EVIDENCE_REJECTED"
+    exit_code = 3
+
+    def __init__(self, violations: Iterable[Violation]) -> None:
+        self.violations: tuple[Violation, ...] = tuple(violations)
+        if not self.violations:
+            raise ValueError("EvidenceRejected needs at least one violation")
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        first = self.violations[0]
+        more = len(self.violations) - 1
+        tail = f" (and {more} more)" if more else ""
+        return f"evidence rejected: {first}{tail}"
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        return tuple(v.code for v in self.violations)

@@ -1,0 +1,166 @@
+"""The records nanrunbook reasons about. All frozen: evidence is read, never edited."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "STAGE_ORDER",
+    "Binding",
+    "Counts",
+    "Decision",
+    "LastKnownGood",
+    "Manifest",
+    "Scaler",
+    "StageFinding",
+    "StageRecord",
+    "TensorEntry",
+    "TensorFinding",
+]
+
+STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
+
+Status = Literal["OBSERVED", "NOT_RUN"]
+CountsSource = Literal["recounted", "declared"]
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    elements: int
+    finite: int
+    nan: int
+    posinf: int
+    neginf: int
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A manifest tensor entry; ``file`` and ``sha256`` are None in a summary."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    probe: str
+    file: str | None
+    sha256: str | None
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One stage exactly as the manifest declares it."""
+
+    stage: str
+    status: str
+    owner: str
+    telemetry_id: str
+    tensor_set_id: str
+    probe_source: str
+    resolution: str | None
+    gradients: str | None
+    tensors: tuple[TensorEntry, ...]
+    counts: Counts | None
+    finite_max_abs: float | None
+    finite_max_abs_declared: bool  # the key is present (its value may be null)
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Scaler:
+    """Loss-scale evidence; the dynamic-only fields are None in other modes."""
+
+    mode: str
+    scale: float
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    found_inf: bool | None = None
+    step_skipped: bool | None = None
+    scale_after: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    ids: Mapping[str, str]  # binding item -> its id
+    details: Mapping[str, Mapping[str, object]]  # binding item -> every field as given
+    world_size: int
+    rank: int
+    param_dtype: str
+    compute_dtype: str
+    reduction: str
+    scaler: Scaler
+
+
+@dataclass(frozen=True, slots=True)
+class LastKnownGood:
+    checkpoint_id: str
+    step: int
+    verified_together: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    format: str
+    contract_version: str
+    evidence_id: str
+    evidence_content_id: str
+    run_id: str
+    step: int
+    incident_owner: str
+    binding: Binding
+    last_known_good: LastKnownGood
+    stages: tuple[StageRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFinding:
+    """A tensor after the check: recounted counts, or None for a summary entry."""
+
+    entry: TensorEntry
+    counts: Counts | None
+    finite_max_abs: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class StageFinding:
+    """A stage after the check: the counts the decision rests on and where they came from."""
+
+    record: StageRecord
+    counts: Counts | None  # None when NOT_RUN
+    counts_source: CountsSource | None
+    finite_max_abs: float | None
+    tensors: tuple[TensorFinding, ...]
+
+    @property
+    def stage(self) -> str:
+        return self.record.stage
+
+    @property
+    def status(self) -> str:
+        return self.record.status
+
+    @property
+    def first_nonfinite_tensor(self) -> str | None:
+        """Capture-order first tensor with a non-finite element; None when unknown or none."""
+        for tensor in self.tensors:
+            if tensor.counts is not None and tensor.counts.nonfinite:
+                return tensor.entry.name
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    decision: str
+    earliest_nonfinite_stage: str | None
+    first_nonfinite_tensor: str | None
+    action: str
+    root_cause_claim: str

@@ -1,0 +1,291 @@
+"""Output formats as interchangeable renderers: ``text`` (rich), ``json``, ``kv``.
+
+Manifest strings are shown literally: text goes through ``rich.text.Text`` (never
+markup), JSON through orjson, and ``kv`` prints only values the contract
+constrains to a shell-safe alphabet, never free text from the manifest.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import IO, Any, ClassVar
+
+import orjson
+
+from .contract import CONTRACT_VERSION, HOLD
+from .errors import EvidenceRejected
+from .report import Report, checklist_document, rejection_document, report_document
+from .runbook import Section
+
+__all__ = ["RENDERERS", "JsonRenderer", "KvRenderer", "Renderer", "TextRenderer"]
+
+_KV_SAFE_WHERE = re.compile(r"[A-Za-z0-9._/+=@:,\[\]$-]+")
+_QUOTED_SEGMENT = re.compile(r"\['(?:[^'\\]|\\.)*'\]|\[\"(?:[^\"\\]|\\.)*\"\]")
+_KV_UNSAFE_CHAR = re.compile(r"[^A-Za-z0-9._/+=@:,\[\]$-]")
+
+
+class Renderer:
+    """Writes a report or a rejection to a stream."""
+
+    name: ClassVar[str]
+
+    def report(self, report: Report, out: IO[str]) -> None:
+        raise NotImplementedError
+
+    def rejection(
+        self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
+    ) -> None:
+        raise NotImplementedError
+
+
+def _json_bytes(document: Any) -> str:
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+class JsonRenderer(Renderer):
+    name = "json"
+
+    def report(self, report: Report, out: IO[str]) -> None:
+        out.write(_json_bytes(report_document(report)))
+
+    def rejection(
+        self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
+    ) -> None:
+        out.write(_json_bytes(rejection_document(error, bundle, contract_content_id)))
+
+
+def kv_where(where: str) -> str:
+    """A violation's path for shell scripts: untrusted key names become ``[?]``."""
+    if _KV_SAFE_WHERE.fullmatch(where):
+        return where
+    return _KV_UNSAFE_CHAR.sub("?", _QUOTED_SEGMENT.sub("[?]", where)) or "?"
+
+
+class KvRenderer(Renderer):
+    """``key=value`` lines in the spec's fixed order; every value is shell-safe."""
+
+    name = "kv"
+
+    def report(self, report: Report, out: IO[str]) -> None:
+        manifest = report.manifest
+        decision = report.decision
+        lines = [
+            f"contract_version={report.contract_version}",
+            f"contract_content_id={report.contract_content_id}",
+            f"run={manifest.run_id}",
+            f"step={manifest.step}",
+            f"evidence_id={manifest.evidence_id}",
+            f"evidence_content_id={manifest.evidence_content_id}",
+            f"earliest_nonfinite={decision.earliest_nonfinite_stage or 'none'}",
+            f"decision={decision.decision}",
+            f"action={decision.action}",
+            f"root_cause_claim={decision.root_cause_claim}",
+        ]
+        out.write("\n".join(lines) + "\n")
+
+    def rejection(
+        self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
+    ) -> None:
+        lines = [
+            f"contract_version={CONTRACT_VERSION}",
+            f"contract_content_id={contract_content_id}",
+            "decision=REJECTED",
+            f"violations={len(error.violations)}",
+        ]
+        lines += [f"violation={v.code} {kv_where(v.where)}" for v in error.violations]
+        out.write("\n".join(lines) + "\n")
+
+
+def _magnitude(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+class TextRenderer(Renderer):
+    """The on-call view, through rich; colour only on a terminal without NO_COLOR."""
+
+    name = "text"
+
+    def _console(self, out: IO[str]) -> Any:
+        from rich.console import Console
+
+        # rich itself honours NO_COLOR and drops styles when ``out`` is not a terminal.
+        return Console(file=out, highlight=False, emoji=False, soft_wrap=False)
+
+    def report(self, report: Report, out: IO[str]) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        console = self._console(out)
+        decision = report.decision
+        manifest = report.manifest
+        style = "bold red" if decision.decision == HOLD else "bold green"
+        console.print(Text.assemble(("nanrunbook check: ", "bold"), (decision.decision, style)))
+        facts = [
+            ("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
+            ("first non-finite tensor", _first_tensor(report)),
+            ("action", decision.action),
+            ("root cause claim", decision.root_cause_claim),
+            ("run", f"{manifest.run_id} step {manifest.step}"),
+            ("evidence", manifest.evidence_id),
+            ("incident owner", manifest.incident_owner),
+            ("evidence content id", manifest.evidence_content_id),
+            ("contract", f"{report.contract_version} {report.contract_content_id}"),
+        ]
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim")
+        grid.add_column()
+        for label, value in facts:
+            grid.add_row(Text(label), Text(value))
+        console.print(grid)
+        console.print(Text("The symptom's location is not its cause.", style="italic"))
+        console.print()
+
+        table = Table(title=Text("Stages"), title_justify="left")
+        for column in (
+            "stage",
+            "status",
+            "owner",
+            "counts",
+            "elements",
+            "finite",
+            "nan",
+            "+inf",
+            "-inf",
+            "max |finite|",
+            "first non-finite tensor",
+        ):
+            table.add_column(
+                column,
+                justify="right"
+                if column in ("elements", "finite", "nan", "+inf", "-inf", "max |finite|")
+                else "left",
+            )
+        for stage in report.stages:
+            record = stage.record
+            counts = stage.counts
+            row_style = "red" if counts is not None and counts.nonfinite else ""
+            cells = [
+                record.stage,
+                record.status,
+                record.owner,
+                stage.counts_source or "-",
+                *(
+                    (
+                        str(counts.elements),
+                        str(counts.finite),
+                        str(counts.nan),
+                        str(counts.posinf),
+                        str(counts.neginf),
+                    )
+                    if counts is not None
+                    else ("-",) * 5
+                ),
+                _magnitude(report.reported_magnitude(stage, stage.finite_max_abs)),
+                _stage_first_tensor(stage) if counts is not None and counts.nonfinite else "-",
+            ]
+            table.add_row(*(Text(c) for c in cells), style=row_style)
+        console.print(table)
+        for stage in report.stages:
+            if stage.record.status == "NOT_RUN":
+                console.print(Text(f"{stage.stage} NOT_RUN: {stage.record.reason or ''}"))
+            if stage.record.gradients == "scaled":
+                console.print(
+                    Text(
+                        f"{stage.stage}: scaled gradients; magnitudes shown divided by scale {report.scaler.scale:g}"
+                    )
+                )
+        console.print(Text(_scaler_line(report)))
+        lkg = manifest.last_known_good
+        console.print(
+            Text(
+                f"last known-good: {lkg.checkpoint_id} at step {lkg.step} "
+                f"({', '.join(lkg.verified_together)} verified together)"
+            )
+        )
+        console.print()
+        console.print(
+            Text(
+                "Containment: hold the update, preserve the boundary, mark the last known-good "
+                "state, choose replay authority (full runbook: nanrunbook checklist)."
+            )
+        )
+        replay = tuple(s for s in report.checklist if s.id.startswith("stage-") or s.id == "replay")
+        _print_sections(console, replay, heading="Replay checklist")
+
+    def rejection(
+        self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
+    ) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        count = len(error.violations)
+        console.print(
+            Text.assemble(
+                ("nanrunbook check: ", "bold"),
+                ("REJECTED", "bold yellow"),
+                f" - {count} violation{'s' if count != 1 else ''}; no decision is made on this evidence",
+            )
+        )
+        for violation in error.violations:
+            console.print(
+                Text.assemble(
+                    ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
+                )
+            )
+
+
+def _stage_first_tensor(stage: Any) -> str:
+    if stage.counts_source != "recounted":
+        return "unknown (summary)"
+    return str(stage.first_nonfinite_tensor or "-")
+
+
+def _first_tensor(report: Report) -> str:
+    decision = report.decision
+    if decision.earliest_nonfinite_stage is None:
+        return "none"
+    if decision.first_nonfinite_tensor is None:
+        return "unknown (summary stage has no per-tensor counts)"
+    return decision.first_nonfinite_tensor
+
+
+def _scaler_line(report: Report) -> str:
+    scaler = report.scaler
+    if scaler.mode == "none":
+        return "loss scale: none (scale 1)"
+    if scaler.mode == "static":
+        return f"loss scale: static, scale {scaler.scale:g}"
+    line = (
+        f"loss scale: dynamic, scale {scaler.scale:g} -> {scaler.scale_after:g}, "
+        f"found_inf {str(scaler.found_inf).lower()}"
+    )
+    if scaler.step_skipped:
+        line += "; the update was skipped: evidence of overflow, not recovery"
+    return line
+
+
+def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+    from rich.text import Text
+
+    console.print(Text(heading, style="bold underline"))
+    number = 0
+    for section in sections:
+        console.print(Text(section.title, style="bold"))
+        for step in section.steps:
+            number += 1
+            console.print(
+                Text.assemble(f"  {number:>2}. ", (step.title, "bold"), f": {step.detail}")
+            )
+
+
+def render_checklist(sections: tuple[Section, ...], fmt: str, out: IO[str]) -> None:
+    if fmt == "json":
+        out.write(_json_bytes({"checklist": checklist_document(sections)}))
+        return
+    from rich.console import Console
+
+    console = Console(file=out, highlight=False, emoji=False)
+    _print_sections(console, sections, heading="nanrunbook replay checklist")
+
+
+RENDERERS: dict[str, Renderer] = {r.name: r for r in (TextRenderer(), JsonRenderer(), KvRenderer())}

@@ -1,0 +1,168 @@
+"""The report: a frozen record of one verdict, and its JSON document.
+
+``report_format`` versions the JSON document so scripts can rely on its shape;
+any incompatible change bumps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._version import __version__
+from .contract import CONTRACT_VERSION, HOLD
+from .errors import EvidenceRejected
+from .model import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
+from .runbook import Section
+
+__all__ = ["REPORT_FORMAT", "Report", "rejection_document", "report_document"]
+
+REPORT_FORMAT = "nanrunbook-report/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What ``check_bundle`` answers for evidence it accepted."""
+
+    bundle: str
+    contract_content_id: str
+    manifest: Manifest
+    stages: tuple[StageFinding, ...]
+    decision: Decision
+    checklist: tuple[Section, ...]
+    contract_version: str = CONTRACT_VERSION
+    report_format: str = REPORT_FORMAT
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.decision.decision == HOLD else 0
+
+    @property
+    def scaler(self) -> Scaler:
+        return self.manifest.binding.scaler
+
+    def reported_magnitude(self, stage: StageFinding, stored: float | None) -> float | None:
+        """A stored magnitude as reported: scaled gradients are divided by the scale."""
+        if stored is None or stage.record.gradients != "scaled":
+            return stored
+        return stored / self.scaler.scale
+
+
+def _counts(counts: Counts | None) -> dict[str, int] | None:
+    if counts is None:
+        return None
+    return {
+        "elements": counts.elements,
+        "finite": counts.finite,
+        "nan": counts.nan,
+        "posinf": counts.posinf,
+        "neginf": counts.neginf,
+    }
+
+
+def _tensor(report: Report, stage: StageFinding, tensor: TensorFinding) -> dict[str, Any]:
+    entry = tensor.entry
+    return {
+        "name": entry.name,
+        "dtype": entry.dtype,
+        "shape": list(entry.shape),
+        "file": entry.file,
+        "sha256": entry.sha256,
+        "probe": entry.probe,
+        "counts": _counts(tensor.counts),
+        "finite_max_abs": report.reported_magnitude(stage, tensor.finite_max_abs),
+    }
+
+
+def _stage(report: Report, stage: StageFinding) -> dict[str, Any]:
+    record = stage.record
+    return {
+        "stage": record.stage,
+        "status": record.status,
+        "owner": record.owner,
+        "telemetry_id": record.telemetry_id,
+        "tensor_set": {"id": record.tensor_set_id, "probe_source": record.probe_source},
+        "resolution": record.resolution,
+        "gradients": record.gradients,
+        "reason": record.reason,
+        "counts_source": stage.counts_source,
+        "counts": _counts(stage.counts),
+        "finite_max_abs": report.reported_magnitude(stage, stage.finite_max_abs),
+        "finite_max_abs_stored": stage.finite_max_abs,
+        "first_nonfinite_tensor": (
+            stage.first_nonfinite_tensor if stage.counts_source == "recounted" else None
+        ),
+        "tensors": [_tensor(report, stage, t) for t in stage.tensors],
+    }
+
+
+def scaler_document(scaler: Scaler) -> dict[str, Any]:
+    document: dict[str, Any] = {"mode": scaler.mode, "scale": scaler.scale}
+    if scaler.mode == "dynamic":
+        document.update(
+            growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor,
+            found_inf=scaler.found_inf,
+            step_skipped=scaler.step_skipped,
+            scale_after=scaler.scale_after,
+        )
+    return document
+
+
+def report_document(report: Report) -> dict[str, Any]:
+    manifest = report.manifest
+    decision = report.decision
+    return {
+        "report_format": report.report_format,
+        "tool": {"name": "nanrunbook", "version": __version__},
+        "contract_version": report.contract_version,
+        "contract_content_id": report.contract_content_id,
+        "bundle": report.bundle,
+        "run": {"run_id": manifest.run_id, "step": manifest.step},
+        "evidence_id": manifest.evidence_id,
+        "evidence_content_id": manifest.evidence_content_id,
+        "incident_owner": manifest.incident_owner,
+        "decision": decision.decision,
+        "earliest_nonfinite_stage": decision.earliest_nonfinite_stage,
+        "first_nonfinite_tensor": decision.first_nonfinite_tensor,
+        "action": decision.action,
+        "root_cause_claim": decision.root_cause_claim,
+        "exit_code": report.exit_code,
+        "stages": [_stage(report, s) for s in report.stages],
+        "scaler": scaler_document(report.scaler),
+        "last_known_good": {
+            "checkpoint_id": manifest.last_known_good.checkpoint_id,
+            "step": manifest.last_known_good.step,
+            "verified_together": list(manifest.last_known_good.verified_together),
+        },
+        "binding": {name: dict(fields) for name, fields in manifest.binding.details.items()},
+        "checklist": checklist_document(report.checklist),
+    }
+
+
+def checklist_document(sections: tuple[Section, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": section.id,
+            "title": section.title,
+            "steps": [{"id": s.id, "title": s.title, "detail": s.detail} for s in section.steps],
+        }
+        for section in sections
+    ]
+
+
+def rejection_document(
+    error: EvidenceRejected, bundle: str, contract_content_id: str
+) -> dict[str, Any]:
+    return {
+        "report_format": REPORT_FORMAT,
+        "tool": {"name": "nanrunbook", "version": __version__},
+        "contract_version": CONTRACT_VERSION,
+        "contract_content_id": contract_content_id,
+        "bundle": bundle,
+        "decision": "REJECTED",
+        "exit_code": error.exit_code,
+        "violations": [
+            {"code": v.code, "where": v.where, "message": v.message} for v in error.violations
+        ],
+    }

@@ -1,0 +1,387 @@
+"""The rules of contract training-incident-v1 that relate fields and records.
+
+Each function returns the violations it finds and never raises, so one check
+reports everything at once. The same stage-sequence rules serve the manifest
+parser and the decision, which revalidates the records it is handed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from .contract import Caps
+from .dtypes import DTYPES
+from .errors import Violation, quote
+from .fields import is_integer
+from .model import STAGE_ORDER, Counts, Scaler, StageRecord
+
+__all__ = [
+    "CODES",
+    "caps_violations",
+    "counts_violations",
+    "scaler_stage_violations",
+    "scaler_violations",
+    "sequence_violations",
+    "stage_set_violations",
+    "stage_violations",
+]
+
+SCALE_MIN = 2.0**-24
+SCALE_MAX = 2.0**24
+
+CODES = {
+    "LAST_KNOWN_GOOD_NOT_BEFORE_RUN": "last_known_good.step is not below run.step",
+    "STAGE_ORDER": "stages are not input, forward, loss, backward, optimizer in that order",
+    "TRANSITION_INPUT_NOT_OBSERVED": "the input stage is not OBSERVED",
+    "TRANSITION_NOT_RUN_WITHOUT_NONFINITE": "a stage is NOT_RUN but no earlier OBSERVED stage has a "
+    "non-finite element",
+    "TRANSITION_OBSERVED_AFTER_NOT_RUN": "a stage after a NOT_RUN stage is not NOT_RUN",
+    "TELEMETRY_ID_DUPLICATE": "two stages share a telemetry_id",
+    "TENSOR_SET_ID_DUPLICATE": "two stages share a tensor_set id",
+    "TENSOR_NAME_DUPLICATE": "two tensor entries share a name",
+    "COUNTS_NOT_RECONCILED": "finite + nan + posinf + neginf is not elements",
+    "COUNTS_ELEMENTS_MISMATCH": "counts.elements is not the sum of the stage's tensor sizes",
+    "SUMMARY_SUB_RESOLUTION": "a summary covers fewer elements than its tensor set (a sample)",
+    "FINITE_MAX_ABS_INVALID": "finite_max_abs is negative",
+    "FINITE_MAX_ABS_EXCESSIVE": "finite_max_abs is above the largest finite value of the stage's "
+    "floating dtypes",
+    "FINITE_MAX_ABS_NULL_MISMATCH": "finite_max_abs is null although the stage has a finite floating "
+    "element, or the reverse",
+    "GRADIENTS_SCALED_WITHOUT_SCALER": "gradients are scaled but the scaler mode is none",
+    "SCALER_SCALE_NOT_ONE": "scaler mode none with a scale other than 1",
+    "SCALER_SCALE_UNSAFE": "scale is not a power of two within [2^-24, 2^24]",
+    "SCALER_FACTOR_INVALID": "growth_factor is not > 1 or backoff_factor is not in (0, 1)",
+    "SCALER_TRANSITION_INVALID": "found_inf, step_skipped and scale_after do not agree",
+    "SCALER_FOUND_INF_MISMATCH": "found_inf disagrees with whether the backward stage has a "
+    "non-finite element",
+    "CAP_STAGE_TENSORS": "a stage lists more tensors than the cap",
+    "CAP_STAGE_ELEMENTS": "a stage holds more elements than the cap",
+    "CAP_BUNDLE_ELEMENTS": "the bundle holds more elements than the cap",
+}
+
+
+class StageLike(Protocol):
+    """What the sequence rules need: a manifest record or a checked finding."""
+
+    @property
+    def stage(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def counts(self) -> Counts | None: ...
+
+
+def _nonfinite(stage: StageLike) -> bool:
+    return stage.status == "OBSERVED" and stage.counts is not None and stage.counts.nonfinite > 0
+
+
+def counts_violations(counts: Counts, path: str) -> list[Violation]:
+    values = (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf)
+    if not all(is_integer(v) and v >= 0 for v in values):
+        return [Violation("COUNTS_NOT_RECONCILED", path, "every count is an integer >= 0")]
+    if counts.finite + counts.nan + counts.posinf + counts.neginf != counts.elements:
+        return [
+            Violation(
+                "COUNTS_NOT_RECONCILED",
+                path,
+                f"finite + nan + posinf + neginf = "
+                f"{counts.finite + counts.nan + counts.posinf + counts.neginf}, "
+                f"elements = {counts.elements}",
+            )
+        ]
+    return []
+
+
+def sequence_violations(stages: Sequence[StageLike], path: str) -> list[Violation]:
+    """Stage order and OBSERVED/NOT_RUN transitions."""
+    if len(stages) != len(STAGE_ORDER):
+        return [Violation("STAGES_NOT_FIVE", path, f"expected 5 stages, got {len(stages)}")]
+    found: list[Violation] = []
+    for index, (stage, expected) in enumerate(zip(stages, STAGE_ORDER, strict=True)):
+        if stage.stage != expected:
+            found.append(
+                Violation(
+                    "STAGE_ORDER",
+                    f"{path}[{index}].stage",
+                    f"position {index} must be {expected!r}, found {quote(stage.stage)}",
+                )
+            )
+    if found:
+        return found
+    if stages[0].status != "OBSERVED":
+        found.append(
+            Violation(
+                "TRANSITION_INPUT_NOT_OBSERVED", f"{path}[0].status", "input must be OBSERVED"
+            )
+        )
+    seen_nonfinite = False
+    seen_not_run = False
+    for index, stage in enumerate(stages):
+        where = f"{path}[{index}].status"
+        if stage.status == "NOT_RUN":
+            if not seen_nonfinite and index > 0:
+                found.append(
+                    Violation(
+                        "TRANSITION_NOT_RUN_WITHOUT_NONFINITE",
+                        where,
+                        f"{stage.stage} is NOT_RUN but no earlier OBSERVED stage is non-finite",
+                    )
+                )
+            seen_not_run = True
+        elif seen_not_run:
+            found.append(
+                Violation(
+                    "TRANSITION_OBSERVED_AFTER_NOT_RUN",
+                    where,
+                    f"{stage.stage} is {quote(stage.status)} after a NOT_RUN stage",
+                )
+            )
+        seen_nonfinite = seen_nonfinite or _nonfinite(stage)
+    return found
+
+
+def stage_violations(record: StageRecord, path: str) -> list[Violation]:
+    """Rules within one OBSERVED record: counts, resolution coverage, finite_max_abs."""
+    if record.status != "OBSERVED" or record.counts is None:
+        return []
+    counts = record.counts
+    found = counts_violations(counts, f"{path}.counts")
+    expected = sum(t.elements for t in record.tensors)
+    if counts.elements != expected:
+        if record.resolution == "summary" and counts.elements < expected:
+            found.append(
+                Violation(
+                    "SUMMARY_SUB_RESOLUTION",
+                    f"{path}.counts.elements",
+                    f"the summary covers {counts.elements} of {expected} elements: a summary "
+                    "must cover every element of its tensor set",
+                )
+            )
+        else:
+            found.append(
+                Violation(
+                    "COUNTS_ELEMENTS_MISMATCH",
+                    f"{path}.counts.elements",
+                    f"declared {counts.elements}, the tensor shapes hold {expected}",
+                )
+            )
+    found.extend(_finite_max_abs_violations(record, f"{path}.finite_max_abs"))
+    return found
+
+
+def _finite_max_abs_violations(record: StageRecord, path: str) -> list[Violation]:
+    if not record.finite_max_abs_declared or record.counts is None:
+        return []
+    value = record.finite_max_abs
+    floating = [t for t in record.tensors if DTYPES[t.dtype].floating]
+    float_elements = sum(t.elements for t in floating)
+    always_finite = sum(t.elements for t in floating if not DTYPES[t.dtype].has_nonfinite)
+    other_elements = sum(t.elements for t in record.tensors) - float_elements
+    # Bounds on how many finite elements are floating, from the declared counts alone.
+    least = max(always_finite, record.counts.finite - other_elements)
+    most = min(record.counts.finite, float_elements)
+    if value is None:
+        if least > 0:
+            return [
+                Violation(
+                    "FINITE_MAX_ABS_NULL_MISMATCH",
+                    path,
+                    "null, but the stage has finite floating elements",
+                )
+            ]
+        return []
+    if most < 1:
+        return [
+            Violation(
+                "FINITE_MAX_ABS_NULL_MISMATCH",
+                path,
+                "must be null: the stage has no finite element of a floating dtype",
+            )
+        ]
+    if value < 0:
+        return [Violation("FINITE_MAX_ABS_INVALID", path, "a magnitude is >= 0")]
+    ceiling = max(DTYPES[t.dtype].max_finite or 0.0 for t in floating)
+    if value > ceiling:
+        return [
+            Violation(
+                "FINITE_MAX_ABS_EXCESSIVE",
+                path,
+                f"{value!r} is above {ceiling!r}, the largest finite value of the stage's dtypes",
+            )
+        ]
+    return []
+
+
+def stage_set_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> list[Violation]:
+    """Order, transitions, unique identities and caps across the five records."""
+    found = sequence_violations(stages, path)
+    found.extend(_unique(stages, path))
+    found.extend(caps_violations(stages, path, caps))
+    return found
+
+
+def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
+    telemetry: set[str] = set()
+    tensor_sets: set[str] = set()
+    names: set[str] = set()
+    for index, stage in enumerate(stages):
+        where = f"{path}[{index}]"
+        if stage.telemetry_id in telemetry:
+            yield Violation(
+                "TELEMETRY_ID_DUPLICATE",
+                f"{where}.telemetry_id",
+                "already used by an earlier stage",
+            )
+        telemetry.add(stage.telemetry_id)
+        if stage.tensor_set_id in tensor_sets:
+            yield Violation(
+                "TENSOR_SET_ID_DUPLICATE",
+                f"{where}.tensor_set.id",
+                "already used by an earlier stage",
+            )
+        tensor_sets.add(stage.tensor_set_id)
+        for position, tensor in enumerate(stage.tensors):
+            if tensor.name in names:
+                yield Violation(
+                    "TENSOR_NAME_DUPLICATE",
+                    f"{where}.tensors[{position}].name",
+                    f"{quote(tensor.name)} names an earlier entry too",
+                )
+            names.add(tensor.name)
+
+
+def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> list[Violation]:
+    found: list[Violation] = []
+    total = 0
+    for index, stage in enumerate(stages):
+        where = f"{path}[{index}]"
+        if len(stage.tensors) > caps.max_stage_tensors:
+            found.append(
+                Violation(
+                    "CAP_STAGE_TENSORS",
+                    f"{where}.tensors",
+                    f"{len(stage.tensors)} tensors, cap {caps.max_stage_tensors}",
+                )
+            )
+        elements = max(
+            sum(t.elements for t in stage.tensors),
+            stage.counts.elements if stage.counts is not None else 0,
+        )
+        if elements > caps.max_stage_elements:
+            found.append(
+                Violation(
+                    "CAP_STAGE_ELEMENTS",
+                    where,
+                    f"{elements} elements, cap {caps.max_stage_elements}",
+                )
+            )
+        total += elements
+    if total > caps.max_bundle_elements:
+        found.append(
+            Violation(
+                "CAP_BUNDLE_ELEMENTS", path, f"{total} elements, cap {caps.max_bundle_elements}"
+            )
+        )
+    return found
+
+
+def _power_of_two(value: float) -> bool:
+    return math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
+
+
+def scaler_violations(scaler: Scaler, path: str) -> list[Violation]:
+    found: list[Violation] = []
+    scale = scaler.scale
+    if scaler.mode == "none":
+        if scale != 1:
+            found.append(
+                Violation("SCALER_SCALE_NOT_ONE", f"{path}.scale", "mode none requires scale 1")
+            )
+        return found
+    if not (_power_of_two(scale) and SCALE_MIN <= scale <= SCALE_MAX):
+        found.append(
+            Violation(
+                "SCALER_SCALE_UNSAFE",
+                f"{path}.scale",
+                f"{scale!r} is not a power of two within [2^-24, 2^24]",
+            )
+        )
+    if scaler.mode != "dynamic":
+        return found
+    growth, backoff, after = scaler.growth_factor, scaler.backoff_factor, scaler.scale_after
+    assert growth is not None and backoff is not None and after is not None
+    if not growth > 1:
+        found.append(Violation("SCALER_FACTOR_INVALID", f"{path}.growth_factor", "must be > 1"))
+    if not 0 < backoff < 1:
+        found.append(
+            Violation("SCALER_FACTOR_INVALID", f"{path}.backoff_factor", "must be in (0, 1)")
+        )
+    if scaler.found_inf:
+        if not scaler.step_skipped:
+            found.append(
+                Violation(
+                    "SCALER_TRANSITION_INVALID",
+                    f"{path}.step_skipped",
+                    "found_inf means the optimizer step was skipped",
+                )
+            )
+        if after != scale * backoff:
+            found.append(
+                Violation(
+                    "SCALER_TRANSITION_INVALID",
+                    f"{path}.scale_after",
+                    f"found_inf means scale_after = scale * backoff_factor = {scale * backoff!r}",
+                )
+            )
+    else:
+        if scaler.step_skipped:
+            found.append(
+                Violation(
+                    "SCALER_TRANSITION_INVALID",
+                    f"{path}.step_skipped",
+                    "no inf found, so the step was not skipped",
+                )
+            )
+        if after not in (scale, scale * growth):
+            found.append(
+                Violation(
+                    "SCALER_TRANSITION_INVALID",
+                    f"{path}.scale_after",
+                    f"with no inf found scale_after is {scale!r} or {scale * growth!r}",
+                )
+            )
+    return found
+
+
+def scaler_stage_violations(
+    scaler: Scaler, stages: Sequence[StageLike], path: str, *, gradients: str | None
+) -> list[Violation]:
+    """Loss-scale evidence against the stages: scaled gradients, found_inf agreement."""
+    found: list[Violation] = []
+    if gradients == "scaled" and scaler.mode == "none":
+        found.append(
+            Violation(
+                "GRADIENTS_SCALED_WITHOUT_SCALER",
+                f"{path}.stages[{STAGE_ORDER.index('backward')}].gradients",
+                "scaled gradients need scaler mode static or dynamic",
+            )
+        )
+    backward = next((s for s in stages if s.stage == "backward"), None)
+    if (
+        scaler.mode == "dynamic"
+        and backward is not None
+        and backward.status == "OBSERVED"
+        and scaler.found_inf != _nonfinite(backward)
+    ):
+        captured = "non-finite" if _nonfinite(backward) else "all finite"
+        found.append(
+            Violation(
+                "SCALER_FOUND_INF_MISMATCH",
+                f"{path}.binding.scaler.found_inf",
+                f"found_inf is {str(scaler.found_inf).lower()} but the captured gradients are "
+                f"{captured}: the probe saw other values than the scaler",
+            )
+        )
+    return found
