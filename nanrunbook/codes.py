@@ -1,0 +1,27 @@
+"""Every violation code nanrunbook can emit, with its one-line meaning.
+
+Codes are stable: scripts and CI gates match on them. Each module declares the
+codes it emits next to the rules; this catalogue gathers them for the man page,
+the schema and the tests that keep all three in step.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from . import bundle, decision, fields, manifest, rules, strictjson, tensorfile
+
+__all__ = ["CODES"]
+
+
+def _gather() -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for module in (strictjson, fields, manifest, rules, tensorfile, bundle, decision):
+        for code, meaning in module.CODES.items():
+            if code in merged:
+                raise RuntimeError(f"violation code {code} is declared twice")
+            merged[code] = meaning
+    return dict(sorted(merged.items()))
+
+
+CODES = MappingProxyType(_gather())
