@@ -14,6 +14,7 @@ import orjson
 
 from .contract import CONTRACT_VERSION, HOLD
 from .errors import EvidenceRejected
+from .model import StageFinding
 from .report import Report, checklist_document, rejection_document, report_document
 from .runbook import Section
 
@@ -108,8 +109,9 @@ class TextRenderer(Renderer):
     def _console(self, out: IO[str]) -> Any:
         from rich.console import Console
 
-        # rich itself honours NO_COLOR and drops styles when ``out`` is not a terminal.
-        return Console(file=out, highlight=False, emoji=False, soft_wrap=False)
+        # rich honours NO_COLOR and drops styles when ``out`` is not a terminal;
+        # soft wrapping keeps ids and messages whole for whoever reads the log.
+        return Console(file=out, highlight=False, emoji=False, soft_wrap=True)
 
     def report(self, report: Report, out: IO[str]) -> None:
         from rich.table import Table
@@ -131,67 +133,46 @@ class TextRenderer(Renderer):
             ("evidence content id", manifest.evidence_content_id),
             ("contract", f"{report.contract_version} {report.contract_content_id}"),
         ]
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="dim")
-        grid.add_column()
+        width = max(len(label) for label, _ in facts)
         for label, value in facts:
-            grid.add_row(Text(label), Text(value))
-        console.print(grid)
-        console.print(Text("The symptom's location is not its cause.", style="italic"))
+            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+        console.print(Text("  The symptom's location is not its cause.", style="italic"))
         console.print()
 
-        table = Table(title=Text("Stages"), title_justify="left")
-        for column in (
-            "stage",
-            "status",
-            "owner",
-            "counts",
-            "elements",
-            "finite",
-            "nan",
-            "+inf",
-            "-inf",
-            "max |finite|",
-            "first non-finite tensor",
-        ):
-            table.add_column(
-                column,
-                justify="right"
-                if column in ("elements", "finite", "nan", "+inf", "-inf", "max |finite|")
-                else "left",
-            )
+        numeric = ("elements", "finite", "nan", "+inf", "-inf", "max abs")
+        table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
+        for column in ("stage", "status", "counts", *numeric):
+            table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
         for stage in report.stages:
-            record = stage.record
             counts = stage.counts
-            row_style = "red" if counts is not None and counts.nonfinite else ""
+            values = (
+                (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf)
+                if counts is not None
+                else ("-",) * 5
+            )
             cells = [
-                record.stage,
-                record.status,
-                record.owner,
+                stage.stage,
+                stage.status,
                 stage.counts_source or "-",
-                *(
-                    (
-                        str(counts.elements),
-                        str(counts.finite),
-                        str(counts.nan),
-                        str(counts.posinf),
-                        str(counts.neginf),
-                    )
-                    if counts is not None
-                    else ("-",) * 5
-                ),
+                *(str(v) for v in values),
                 _magnitude(report.reported_magnitude(stage, stage.finite_max_abs)),
-                _stage_first_tensor(stage) if counts is not None and counts.nonfinite else "-",
             ]
+            row_style = "red" if counts is not None and counts.nonfinite else ""
             table.add_row(*(Text(c) for c in cells), style=row_style)
         console.print(table)
         for stage in report.stages:
-            if stage.record.status == "NOT_RUN":
-                console.print(Text(f"{stage.stage} NOT_RUN: {stage.record.reason or ''}"))
-            if stage.record.gradients == "scaled":
+            record = stage.record
+            line = f"  {stage.stage}: owner {record.owner}, telemetry {record.telemetry_id}, "
+            line += f"probe source: {record.probe_source}"
+            console.print(Text(line))
+            if record.status == "NOT_RUN":
+                console.print(Text(f"    NOT_RUN: {record.reason or ''}"))
+            elif stage.counts is not None and stage.counts.nonfinite:
+                console.print(Text(f"    first non-finite tensor: {_stage_first_tensor(stage)}"))
+            if record.gradients == "scaled":
                 console.print(
                     Text(
-                        f"{stage.stage}: scaled gradients; magnitudes shown divided by scale {report.scaler.scale:g}"
+                        f"    scaled gradients: magnitudes shown divided by the scale {report.scaler.scale:g}"
                     )
                 )
         console.print(Text(_scaler_line(report)))
@@ -234,10 +215,10 @@ class TextRenderer(Renderer):
             )
 
 
-def _stage_first_tensor(stage: Any) -> str:
+def _stage_first_tensor(stage: StageFinding) -> str:
     if stage.counts_source != "recounted":
-        return "unknown (summary)"
-    return str(stage.first_nonfinite_tensor or "-")
+        return "unknown (a summary has no per-tensor counts)"
+    return stage.first_nonfinite_tensor or "-"
 
 
 def _first_tensor(report: Report) -> str:
@@ -284,7 +265,7 @@ def render_checklist(sections: tuple[Section, ...], fmt: str, out: IO[str]) -> N
         return
     from rich.console import Console
 
-    console = Console(file=out, highlight=False, emoji=False)
+    console = Console(file=out, highlight=False, emoji=False, soft_wrap=True)
     _print_sections(console, sections, heading="nanrunbook replay checklist")
 
 
