@@ -167,9 +167,7 @@ _FORMATS: dict[str, _Format] = {
     "F6_E2M3": _Packed(6, _minifloat_magnitudes(2, 3, 1, 32)),
     "F6_E3M2": _Packed(6, _minifloat_magnitudes(3, 2, 3, 32)),
 }
-_FORMATS.update(
-    {d.name: _Plain(d.bits // 8) for d in DTYPES.values() if d.kind in ("int", "bool")}
-)
+_FORMATS.update({d.name: _Plain(d.bits // 8) for d in DTYPES.values() if d.kind in ("int", "bool")})
 
 
 def _align(fmt: _Format) -> int:
