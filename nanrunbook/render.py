@@ -7,6 +7,7 @@ constrains to a shell-safe alphabet, never free text from the manifest.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import IO, Any, ClassVar
 
@@ -106,12 +107,24 @@ class TextRenderer(Renderer):
 
     name = "text"
 
+    def __init__(self, *, force_terminal: bool | None = None) -> None:
+        self.force_terminal = force_terminal
+
     def _console(self, out: IO[str]) -> Any:
         from rich.console import Console
 
-        # rich honours NO_COLOR and drops styles when ``out`` is not a terminal;
-        # soft wrapping keeps ids and messages whole for whoever reads the log.
-        return Console(file=out, highlight=False, emoji=False, soft_wrap=True)
+        # rich drops styles when ``out`` is not a terminal; NO_COLOR (any
+        # non-empty value, no-color.org) turns off every escape sequence, bold
+        # included. Soft wrapping keeps ids and messages whole in logs.
+        plain = bool(os.environ.get("NO_COLOR"))
+        return Console(
+            file=out,
+            highlight=False,
+            emoji=False,
+            soft_wrap=True,
+            force_terminal=self.force_terminal,
+            color_system=None if plain else "auto",
+        )
 
     def report(self, report: Report, out: IO[str]) -> None:
         from rich.table import Table
@@ -263,9 +276,7 @@ def render_checklist(sections: tuple[Section, ...], fmt: str, out: IO[str]) -> N
     if fmt == "json":
         out.write(_json_bytes({"checklist": checklist_document(sections)}))
         return
-    from rich.console import Console
-
-    console = Console(file=out, highlight=False, emoji=False, soft_wrap=True)
+    console = TextRenderer()._console(out)
     _print_sections(console, sections, heading="nanrunbook replay checklist")
 
 
