@@ -39,6 +39,16 @@ class Counts:
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
 
+    def as_dict(self) -> dict[str, int]:
+        """The manifest's ``counts`` object."""
+        return {
+            "elements": self.elements,
+            "finite": self.finite,
+            "nan": self.nan,
+            "posinf": self.posinf,
+            "neginf": self.neginf,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:

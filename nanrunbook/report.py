@@ -49,15 +49,7 @@ class Report:
 
 
 def _counts(counts: Counts | None) -> dict[str, int] | None:
-    if counts is None:
-        return None
-    return {
-        "elements": counts.elements,
-        "finite": counts.finite,
-        "nan": counts.nan,
-        "posinf": counts.posinf,
-        "neginf": counts.neginf,
-    }
+    return None if counts is None else counts.as_dict()
 
 
 def _tensor(report: Report, stage: StageFinding, tensor: TensorFinding) -> dict[str, Any]:
