@@ -213,5 +213,19 @@ def checklist(
     render_checklist(build(stage.value if stage else None), format.value, sys.stdout)
 
 
+@app.command()
+@guarded
+def schema() -> None:
+    """Print a JSON Schema (2020-12) of manifest.json; it does not replace check.
+
+    Example: nanrunbook schema > nanrunbook-bundle-1.schema.json
+    """
+    import orjson
+
+    from .schema import manifest_schema
+
+    sys.stdout.write(orjson.dumps(manifest_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
 def entry_point() -> None:
     app(prog_name="nanrunbook")
