@@ -25,7 +25,6 @@ EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="nanrunbook",
-    help="Check the evidence a training step left when its loss went NaN, and say what to do.",
     add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
