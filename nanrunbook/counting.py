@@ -7,12 +7,16 @@ integer views of the bits.
 
 The fast path relies on one property of sign-magnitude floating formats: with
 the sign bit cleared, bit patterns order like the magnitudes they encode, and
-every non-finite pattern lies above every finite one. So per chunk it computes
-``abs = bits & ~sign`` into a reused buffer and takes ``abs.max()``: when that
-maximum is below the first non-finite pattern, the whole chunk is finite and the
-maximum *is* the largest finite magnitude's pattern. Only chunks holding a
-non-finite element take the detailed path. The largest finite pattern is kept
-as an integer and decoded to an exact float64 once, in :meth:`Counter.result`.
+every non-finite pattern lies above every finite one. So the largest magnitude
+pattern of a chunk decides it: when it is below the first non-finite pattern,
+the whole chunk is finite and it *is* the largest finite magnitude's pattern.
+It comes from two read-only reductions over the bits, with no scratch written:
+the unsigned maximum (a negative element, if any, wins it, and its low bits are
+the largest negative magnitude) and the signed maximum (the largest positive
+magnitude, or below zero when every element is negative). Only chunks holding a
+non-finite element take the detailed path, which computes ``bits & ~sign`` into
+a reused buffer. The largest finite pattern is kept as an integer and decoded to
+an exact float64 once, in :meth:`Counter.result`.
 
 Sub-byte formats (no NaN or infinity encodings, every element finite):
 
@@ -101,7 +105,7 @@ class _SignMagnitude:
     """A format whose non-finite codes are exactly ``bits & absmask >= first_nonfinite``."""
 
     uint: str  # numpy dtype of one element's bits, little-endian
-    sign: int  # sign bit, 0 when the format has none
+    sign: int  # sign bit (the top bit of ``uint``), 0 when the format has none
     first_nonfinite: int  # smallest sign-cleared non-finite pattern
     has_inf: bool  # first_nonfinite is +infinity; above it is NaN
     decode: Callable[[int], float]
@@ -109,6 +113,11 @@ class _SignMagnitude:
     @property
     def absmask(self) -> int:
         return (1 << (np.dtype(self.uint).itemsize * 8)) - 1 - self.sign
+
+    @property
+    def sint(self) -> str:
+        """The signed integer dtype of the same width: its order puts negatives first."""
+        return self.uint.replace("u", "i")
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,15 +258,20 @@ class Counter:
         n = bits.size
         self._elements += n
         if fmt.sign:
-            mags = self._buffer(n, fmt.uint)
-            np.bitwise_and(bits, fmt.absmask, out=mags)
+            # Largest negative magnitude (or the largest positive one when no element
+            # is negative), then the largest positive magnitude (< 0 when none is).
+            top = max(int(bits.max()) & fmt.absmask, int(bits.view(fmt.sint).max()))
         else:
-            mags = bits
-        top = int(mags.max())
+            top = int(bits.max())
         first = fmt.first_nonfinite
         if top < first:  # whole chunk finite
             self._max_code = max(self._max_code, top)
             return
+        if fmt.sign:
+            mags = self._buffer(n, fmt.uint)
+            np.bitwise_and(bits, fmt.absmask, out=mags)
+        else:
+            mags = bits
         if fmt.has_inf:
             nan = int(np.count_nonzero(mags > first))
             posinf = int(np.count_nonzero(bits == first))

@@ -140,6 +140,56 @@ def test_random_patterns_small_formats(dtype: str, data: st.DataObject) -> None:
     assert feed_split(dtype, chunk, cuts) == expected
 
 
+# Formats with a sign bit: their all-finite chunks take the fast path, which reads the
+# largest magnitude off an unsigned and a signed maximum. Exercise every sign mix.
+SIGNED_FORMATS = ["BF16", "F16", "F8_E4M3", "F8_E5M2"]
+
+
+def finite_codes(dtype: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    codes, values = table(dtype)
+    keep = np.isfinite(values)
+    return codes[keep], np.abs(values[keep])
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2"])
+def test_fast_path_every_pair_of_finite_bytes(dtype: str) -> None:
+    codes, mags = finite_codes(dtype)
+    for a, mag_a in zip(codes.tolist(), mags.tolist(), strict=True):
+        for b, mag_b in zip(codes.tolist(), mags.tolist(), strict=True):
+            got = tally_bytes(dtype, bytes([a, b]))
+            assert got == Tally(2, 2, 0, 0, 0, max(mag_a, mag_b)), (dtype, hex(a), hex(b))
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_fast_path_every_finite_magnitude_with_each_sign_mix(dtype: str) -> None:
+    codes, mags = finite_codes(dtype)
+    sign = 0x8000
+    by_code = dict(zip(codes.tolist(), mags.tolist(), strict=True))
+    for code in codes.tolist():
+        if code & sign:
+            continue
+        mag = by_code[code]
+        smaller = code // 2  # a positive finite pattern of no larger magnitude
+        for pair in (
+            (code | sign, smaller),  # the negative one is larger
+            (smaller | sign, code),  # the positive one is larger
+            (code | sign, smaller | sign),  # all negative: the signed maximum is < 0
+            (code, smaller),  # all positive
+        ):
+            data = np.array(pair, dtype="<u2").tobytes()
+            assert tally_bytes(dtype, data) == Tally(2, 2, 0, 0, 0, mag), (dtype, pair)
+
+
+@pytest.mark.parametrize("dtype", SIGNED_FORMATS)
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_fast_path_random_finite_chunks(dtype: str, data: st.DataObject) -> None:
+    codes, mags = finite_codes(dtype)
+    picks = data.draw(st.lists(st.integers(0, codes.size - 1), min_size=1, max_size=300))
+    got = tally_bytes(dtype, codes[picks].tobytes())
+    assert got == Tally(len(picks), len(picks), 0, 0, 0, float(mags[picks].max()))
+
+
 def test_special_encodings_by_name() -> None:
     # Spot checks written out by hand from the spec table.
     assert tally_bytes("F8_E4M3", bytes([0x7F, 0xFF, 0x7E])) == Tally(3, 1, 2, 0, 0, 448.0)
