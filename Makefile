@@ -34,5 +34,45 @@ lint: $(VENV)/.test-installed
 fixtures: $(VENV)/.installed
 	$(BIN)/python fixtures/generate.py
 
+# `make install`: the command, its man pages and shell completion for the installing
+# user, under PREFIX (default ~/.local). The package stays installed in $(VENV) and
+# $(PREFIX)/bin/nanrunbook links to it. With $(PREFIX)/bin on PATH, `man nanrunbook`
+# finds $(PREFIX)/share/man and bash-completion finds $(PREFIX)/share/bash-completion.
+PREFIX ?= $(HOME)/.local
+MANDIR ?= $(PREFIX)/share/man
+BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
+# fish reads user completions from its config directory only.
+FISHCOMPDIR ?= $(or $(XDG_CONFIG_HOME),$(HOME)/.config)/fish/completions
+INSTALLED := $(PREFIX)/bin/nanrunbook $(MANDIR)/man1/nanrunbook.1 \
+  $(MANDIR)/man5/nanrunbook-bundle.5 $(BASHCOMPDIR)/nanrunbook $(ZSHCOMPDIR)/_nanrunbook \
+  $(FISHCOMPDIR)/nanrunbook.fish
+
+.PHONY: uninstall completions
+
+install: $(VENV)/.installed
+	install -d '$(PREFIX)/bin' '$(MANDIR)/man1' '$(MANDIR)/man5' '$(BASHCOMPDIR)' \
+	  '$(ZSHCOMPDIR)' '$(FISHCOMPDIR)'
+	ln -sfn '$(abspath $(BIN))/nanrunbook' '$(PREFIX)/bin/nanrunbook'
+	install -m 644 man/nanrunbook.1 '$(MANDIR)/man1/nanrunbook.1'
+	install -m 644 man/nanrunbook-bundle.5 '$(MANDIR)/man5/nanrunbook-bundle.5'
+	install -m 644 completions/nanrunbook.bash '$(BASHCOMPDIR)/nanrunbook'
+	install -m 644 completions/_nanrunbook '$(ZSHCOMPDIR)/_nanrunbook'
+	install -m 644 completions/nanrunbook.fish '$(FISHCOMPDIR)/nanrunbook.fish'
+	@case ":$$PATH:" in *":$(PREFIX)/bin:"*) ;; \
+	  *) echo "note: put $(PREFIX)/bin on PATH for the command and for man nanrunbook";; esac
+
+uninstall:
+	rm -f $(foreach f,$(INSTALLED),'$(f)')
+
+# Regenerate completions/ from the installed command (a test checks they are current).
+completions: $(VENV)/.installed
+	for shell in bash zsh fish; do \
+	  case $$shell in bash) f=nanrunbook.bash;; zsh) f=_nanrunbook;; fish) f=nanrunbook.fish;; esac; \
+	  _NANRUNBOOK_COMPLETE=source_$$shell $(BIN)/nanrunbook \
+	    | $(BIN)/python -c 'import sys; sys.stdout.write(sys.stdin.read().strip() + "\n")' \
+	    > completions/$$f || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

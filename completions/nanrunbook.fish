@@ -1,0 +1,1 @@
+complete --command nanrunbook --no-files --arguments "(env _NANRUNBOOK_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) nanrunbook)" --condition "env _NANRUNBOOK_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) nanrunbook"
