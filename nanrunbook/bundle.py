@@ -15,7 +15,7 @@ from pathlib import Path
 from .dtypes import DTYPES
 from .errors import EvidenceRejected, Violation, quote
 from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
-from .scan import ShortRead, TensorScan, scan_range
+from .scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, open_in_bundle, read_header
 
 __all__ = ["CODES", "MANIFEST_MAX_BYTES", "read_manifest_bytes", "verify_bundle"]
@@ -96,9 +96,23 @@ class _Bound:
 
 
 def verify_bundle(
-    bundle: Path, manifest: Manifest, progress: Progress | None = None
+    bundle: Path,
+    manifest: Manifest,
+    progress: Progress | None = None,
+    *,
+    workers: int | None = None,
 ) -> tuple[tuple[StageFinding, ...], list[Violation]]:
-    """Bind every complete entry to its file, hash and recount it, compare."""
+    """Bind every complete entry to its file, hash and recount it, compare.
+
+    Every header is read and bound first; then every bound tensor is scanned on
+    ``workers`` threads (default: one per usable core, see :func:`.scan.scan_all`).
+    Findings and violations do not depend on the order the scans finish in: they
+    are assembled in manifest order, as a one-thread scan would produce them.
+
+    ``progress``, if given, is called in this thread with byte counts as tensor
+    data is read; if it also has a ``start`` method, that is called once first
+    with the total number of bytes to read.
+    """
     violations: list[Violation] = []
     by_file: dict[str, list[_Bound]] = {}
     for s_index, stage in enumerate(manifest.stages):
@@ -128,8 +142,18 @@ def verify_bundle(
                 opened[identity][2].extend(bound)
             else:
                 opened[identity] = (fd, relpath, list(bound))
-        for fd, relpath, bound in opened.values():
-            violations.extend(_verify_file(fd, relpath, bound, scans, progress))
+        plans = [_plan_file(fd, relpath, bound) for fd, relpath, bound in opened.values()]
+        jobs = [job for plan in plans for job in plan.jobs]
+        start = getattr(progress, "start", None)
+        if callable(start):
+            start(sum(job.length for job in jobs))
+        # scan_range is looked up here, at call time, so a test may replace it.
+        results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
+        done = 0
+        for plan in plans:
+            mine = results[done : done + len(plan.jobs)]
+            done += len(plan.jobs)
+            violations.extend(_verify_file(plan, mine, scans))
     finally:
         for fd, _, _ in opened.values():
             os.close(fd)
@@ -150,29 +174,48 @@ def verify_bundle(
     return findings, violations
 
 
-def _verify_file(
-    fd: int,
-    relpath: str,
-    bound: Sequence[_Bound],
-    scans: dict[str, TensorScan],
-    progress: Progress | None,
-) -> list[Violation]:
+@dataclass(frozen=True, slots=True)
+class _FilePlan:
+    """One opened tensor file: its bound entries and what to scan, or why not."""
+
+    fd: int
+    relpath: str
+    bound: Sequence[_Bound]
+    header: TensorFileHeader | None
+    refused: list[Violation]  # header or binding violations: nothing is scanned
+    jobs: list[ScanJob]  # one per bound entry, in manifest order
+
+
+def _plan_file(fd: int, relpath: str, bound: Sequence[_Bound]) -> _FilePlan:
     limit = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * len(bound)
     try:
         header = read_header(fd, relpath, max_header_len=min(limit, MAX_HEADER_LEN))
     except EvidenceRejected as err:
-        return list(err.violations)
-    found = _binding_violations(header, relpath, bound)
-    if found:
-        return found
+        return _FilePlan(fd, relpath, bound, None, list(err.violations), [])
+    refused = _binding_violations(header, relpath, bound)
+    if refused:
+        return _FilePlan(fd, relpath, bound, header, refused, [])
+    jobs = []
     for item in bound:
         entry = header.entries[item.entry.name]
-        try:
-            scan = scan_range(fd, entry.begin, entry.end - entry.begin, entry.dtype)
-        except ShortRead:
-            return [Violation("FILE_CHANGED", relpath, "the file shrank while it was read")]
-        if progress is not None:
-            progress(entry.end - entry.begin)
+        jobs.append(ScanJob(fd, entry.begin, entry.end - entry.begin, entry.dtype))
+    return _FilePlan(fd, relpath, bound, header, [], jobs)
+
+
+def _verify_file(
+    plan: _FilePlan,
+    results: Sequence[TensorScan | Exception],
+    scans: dict[str, TensorScan],
+) -> list[Violation]:
+    """A file's violations from its scans, taken in manifest order."""
+    if plan.header is None or plan.refused:
+        return plan.refused
+    found: list[Violation] = []
+    for item, scan in zip(plan.bound, results, strict=True):
+        if isinstance(scan, ShortRead):
+            return [Violation("FILE_CHANGED", plan.relpath, "the file shrank while it was read")]
+        if isinstance(scan, Exception):
+            raise scan
         if scan.sha256 != item.entry.sha256:
             found.append(
                 Violation(
@@ -182,8 +225,10 @@ def _verify_file(
                 )
             )
         scans[item.entry.name] = scan
-    if os.fstat(fd).st_size != header.size:
-        found.append(Violation("FILE_CHANGED", relpath, "the file changed size while it was read"))
+    if os.fstat(plan.fd).st_size != plan.header.size:
+        found.append(
+            Violation("FILE_CHANGED", plan.relpath, "the file changed size while it was read")
+        )
     return found
 
 

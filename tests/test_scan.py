@@ -212,3 +212,38 @@ def test_pread_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
         got = scan_range(fd, len(PREFIX), len(data), "F64", buffer=bytearray(8))
     assert got.tally == Tally(3, 2, 0, 0, 1, 2.0)
     assert got.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_on_chunk_reports_each_chunk_and_can_stop_the_scan() -> None:
+    data = np.arange(100, dtype="<f4").tobytes()
+    seen: list[int] = []
+    with file_with(PREFIX + data) as fd:
+        got = scan_range(
+            fd, len(PREFIX), len(data), "F32", buffer=bytearray(48), on_chunk=seen.append
+        )
+        assert got.sha256 == hashlib.sha256(data).hexdigest()
+        assert seen == [48] * 8 + [16]
+
+        def stop(nbytes: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            scan_range(fd, len(PREFIX), len(data), "F32", buffer=bytearray(48), on_chunk=stop)
+
+
+def test_sequential_read_hint_on_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    hints: list[tuple[int, int, int]] = []
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        hints.append((offset, length, advice))
+        raise OSError(22, "refused")  # a refused hint changes nothing
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    data = np.ones(10, dtype="<f4").tobytes()
+    with file_with(PREFIX + data) as fd:
+        got = scan_range(fd, len(PREFIX), len(data), "F32")
+        scan_range(fd, len(PREFIX), 0, "F32")  # nothing to read, no hint
+    assert got.tally == reference_f32(np.ones(10, dtype="<f4"))
+    assert hints == [(len(PREFIX), len(data), os.POSIX_FADV_SEQUENTIAL)]
