@@ -140,12 +140,15 @@ def check(
     from .check import check_bundle
     from .contract import contract_content_id
     from .errors import EvidenceRejected
+    from .progress import check_progress
     from .render import RENDERERS
 
     caps = Caps(max_stage_elements, max_bundle_elements, max_stage_tensors)
     renderer = RENDERERS[format.value]
     try:
-        report = check_bundle(bundle, caps=caps)
+        # A bar on stderr at a terminal, text format only; erased before the report.
+        with check_progress(format is CheckFormat.text) as progress:
+            report = check_bundle(bundle, caps=caps, progress=progress)
     except EvidenceRejected as error:
         renderer.rejection(error, str(bundle), contract_content_id(caps), sys.stdout)
         raise typer.Exit(EXIT_REJECTED) from None
