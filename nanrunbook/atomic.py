@@ -3,8 +3,11 @@ seen at the target path, and an existing target is replaced only when asked."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -19,6 +22,31 @@ def fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_RENAMEAT2_ARGS = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+
+
+def _renameat2(source: Path, destination: Path, flags: int) -> bool:
+    """Linux renameat2(2): True when done, False when the kernel, the C library or
+    the file system lacks it (the caller falls back to plain renames)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    function.argtypes = _RENAMEAT2_ARGS
+    function.restype = ctypes.c_int
+    if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(destination), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(source), None, str(destination))
 
 
 def write_synced(path: Path, chunks: Iterable[bytes]) -> None:
@@ -69,12 +97,16 @@ def atomic_directory(target: Path, *, overwrite: bool = False) -> Iterator[Path]
         if target.exists():
             if not overwrite:
                 raise FileExistsError(f"{target} appeared while the bundle was written")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=parent))
-            os.rmdir(old)
-            os.rename(target, old)
-            os.rename(temp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+            # One atomic swap where the system has it: no instant without a bundle.
+            if _renameat2(temp, target, _RENAME_EXCHANGE):
+                shutil.rmtree(temp, ignore_errors=True)  # the temp now holds the old one
+            else:
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=parent))
+                os.rmdir(old)
+                os.rename(target, old)
+                os.rename(temp, target)
+                shutil.rmtree(old, ignore_errors=True)
+        elif not _renameat2(temp, target, _RENAME_NOREPLACE):  # EEXIST if one appeared
             os.rename(temp, target)
         fsync_directory(parent)
     except BaseException:

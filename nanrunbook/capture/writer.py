@@ -4,11 +4,18 @@ Counts, digests and magnitudes come from the same engine ``check`` uses, and
 ``write`` runs the check itself on the finished bundle before it is moved into
 place: the writer refuses exactly what the check would reject, with the same
 violation codes.
+
+Tensors are taken as numpy arrays (``ml_dtypes`` ones included), torch tensors
+of any device and dtype (see :mod:`nanrunbook.capture.torch`) or
+:class:`RawTensor` bytes. Each is copied to host bytes when it is observed, so
+later in-place changes to the live tensor do not alter the evidence.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +26,16 @@ from ..content_id import EVIDENCE_ID_KEY, evidence_content_id
 from ..contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
 from ..counting import tally_bytes
 from ..dtypes import DTYPES
+from ..errors import EvidenceRejected, Violation
 from ..model import STAGE_ORDER, Counts
+from ..strictjson import MAX_SAFE_INTEGER, child_path
 from ..tensorwriter import RawTensor, safetensors_chunks
 
 __all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw"]
 
 RECOVERY_PARTS = ("model", "optimizer", "scheduler", "scaler", "data_position")
 TENSOR_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
 
 # numpy dtype names (ml_dtypes names included) -> safetensors dtype names.
 NUMPY_DTYPES = {
@@ -52,23 +62,40 @@ NUMPY_DTYPES = {
 
 
 def as_raw(value: Any) -> RawTensor:
-    """A numpy array, a torch tensor (any device) or a RawTensor, as raw bytes."""
+    """A numpy array (or anything ``numpy.asarray`` takes), a torch tensor of any
+    device, or a RawTensor, as the bytes safetensors stores.
+
+    ``ml_dtypes.float4_e2m1fn`` arrays (one element per byte) are packed two to a
+    byte, the first element in the low nibble, as torch's ``float4_e2m1fn_x2``
+    packs them. Raises TypeError for a dtype safetensors has no name for.
+    """
     if isinstance(value, RawTensor):
         return value
-    if type(value).__module__.split(".")[0] == "torch":
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         from .torch import tensor_to_raw
 
         return tensor_to_raw(value)
     import numpy as np
 
     array = np.asarray(value)
+    shape = tuple(int(d) for d in array.shape)
+    if array.dtype.name == "float4_e2m1fn":
+        if array.size % 2:
+            raise TypeError(f"F4 packs two elements to a byte; {array.size} elements do not")
+        nibbles = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & 0x0F
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
+        return RawTensor("F4", shape, packed.astype(np.uint8).tobytes())
     name = NUMPY_DTYPES.get(array.dtype.name)
     if name is None:
-        raise TypeError(f"no safetensors dtype for numpy dtype {array.dtype.name!r}")
+        raise TypeError(
+            f"no safetensors dtype for numpy dtype {array.dtype.name!r};"
+            " pass the stored bytes as a RawTensor"
+        )
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     data = np.ascontiguousarray(array).tobytes()
-    return RawTensor(name, tuple(int(d) for d in array.shape), data)
+    return RawTensor(name, shape, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +111,10 @@ class _Captured:
 class BundleWriter:
     """Collects the five stages of one failing step and writes a sealed bundle.
 
-    Record stages in contract order with :meth:`observe`, :meth:`summarize` or
-    :meth:`not_run`; :meth:`not_run_rest` marks every stage not yet recorded as
-    NOT_RUN. Tensors are kept in memory until :meth:`write`.
+    Record stages with :meth:`observe`, :meth:`summarize` or :meth:`not_run`;
+    :meth:`not_run_rest` marks every stage not yet recorded as NOT_RUN (stages
+    are written in contract order whatever order they are recorded in).
+    Tensors are kept in memory, as host bytes, until :meth:`write`.
     """
 
     def __init__(
@@ -195,7 +223,7 @@ class BundleWriter:
                 }
                 for c in captured
             ],
-            counts=_counts_document(total),
+            counts=total.as_dict(),
             finite_max_abs=max(maxima) if maxima else None,
         )
         self._stages.append(record)
@@ -226,7 +254,7 @@ class BundleWriter:
                 {"name": name, "dtype": dtype, "shape": list(shape), "probe": probe}
                 for name, dtype, shape, probe in entries
             ],
-            counts=_counts_document(counts),
+            counts=counts.as_dict(),
         )
         if finite_max_abs is not None:
             record["finite_max_abs"] = finite_max_abs
@@ -243,6 +271,7 @@ class BundleWriter:
         tensor_set_id: str | None = None,
         gradients: str | None = None,
     ) -> None:
+        """Record a NOT_RUN stage, with the reason it did not run."""
         record = self._base(
             stage, "NOT_RUN", owner, probe_source, telemetry_id, tensor_set_id, gradients
         )
@@ -256,7 +285,12 @@ class BundleWriter:
                 self.not_run(stage, owner=owner, reason=reason)
 
     def manifest(self) -> dict[str, Any]:
-        """The sealed manifest: everything recorded, with its evidence content id."""
+        """The sealed manifest: everything recorded, with its evidence content id.
+
+        Raises EvidenceRejected when a value has no exact JSON form (a NaN or
+        infinite number, an integer outside +-(2^53 - 1), an object that is not
+        a JSON value); numpy scalars are taken as the Python numbers they hold.
+        """
         order = {stage: i for i, stage in enumerate(STAGE_ORDER)}
         document: dict[str, Any] = {
             "format": BUNDLE_FORMAT,
@@ -268,23 +302,57 @@ class BundleWriter:
             "last_known_good": self.last_known_good,
             "stages": sorted(self._stages, key=lambda s: order[s["stage"]]),
         }
+        violations: list[Violation] = []
+        document = _json_value(document, "$", violations)
+        if violations:
+            raise EvidenceRejected(violations)
         document[EVIDENCE_ID_KEY] = evidence_content_id(document)
         return document
+
+    def validate(self, *, caps: Caps | None = None) -> None:
+        """Judge the manifest as ``check`` would, before any tensor data is written.
+
+        Raises EvidenceRejected with the check's codes for every rule a manifest
+        alone can break (fields, identifiers, transitions, counts, scaler, caps).
+        """
+        import orjson
+
+        from ..manifest import parse_manifest
+        from ..strictjson import load_manifest_bytes
+
+        tree = load_manifest_bytes(orjson.dumps(self.manifest()))
+        _, violations = parse_manifest(tree, caps)
+        if violations:
+            raise EvidenceRejected(violations)
 
     def write(
         self, target: str | Path, *, overwrite: bool = False, caps: Caps | None = None
     ) -> Path:
         """Write the bundle to ``target`` atomically and return its path.
 
+        The bundle is built in a temporary directory beside ``target``, fsynced,
+        checked with :func:`nanrunbook.check_bundle`, then renamed into place: an
+        interrupted write (an exception, Ctrl-C, a killed process) leaves nothing
+        at ``target`` and an existing bundle there as it was.
+
         Raises EvidenceRejected (nothing is written) when the check would reject
         the bundle, and FileExistsError when ``target`` exists and ``overwrite``
-        is false.
+        is false. ``overwrite`` replaces only a directory holding a manifest.json
+        (a bundle), in one atomic swap where the system supports it.
         """
         import orjson
 
         from ..check import check_bundle
 
         target = Path(target)
+        if overwrite and (target.exists() or target.is_symlink()):
+            if target.is_symlink() or not target.is_dir():
+                raise FileExistsError(f"{target} exists and is not a bundle directory")
+            if not (target / MANIFEST_FILE).is_file():
+                raise FileExistsError(
+                    f"{target} exists and has no {MANIFEST_FILE}; refusing to replace it"
+                )
+        self.validate(caps=caps)
         manifest = self.manifest()
         with atomic_directory(target, overwrite=overwrite) as temp:
             if self._tensors:
@@ -292,18 +360,46 @@ class BundleWriter:
                     temp / TENSOR_FILE,
                     safetensors_chunks([(c.name, c.tensor) for c in self._tensors]),
                 )
-            write_synced(
-                temp / "manifest.json", [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)]
-            )
+            write_synced(temp / MANIFEST_FILE, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)])
             check_bundle(temp, caps=caps)  # raises EvidenceRejected; the temp is removed
         return target
 
 
-def _counts_document(counts: Counts) -> dict[str, int]:
-    return {
-        "elements": counts.elements,
-        "finite": counts.finite,
-        "nan": counts.nan,
-        "posinf": counts.posinf,
-        "neginf": counts.neginf,
-    }
+def _json_value(value: Any, path: str, violations: list[Violation]) -> Any:
+    """``value`` as plain JSON data (dict, list, str, int, float, bool, None),
+    with a violation for anything that has no exact JSON form."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str.__str__(value)  # an enum's value, not its name
+    if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INTEGER:
+            violations.append(
+                Violation("JSON_INTEGER_OUT_OF_RANGE", path, "integer is outside +-(2^53 - 1)")
+            )
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            violations.append(
+                Violation("JSON_NONFINITE_NUMBER", path, f"{value!r} has no JSON form")
+            )
+        return float(value)
+    if isinstance(value, Mapping):
+        plain: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                violations.append(Violation("FIELD_TYPE", path, f"key {key!r} is not a string"))
+                continue
+            plain[key] = _json_value(item, child_path(path, key), violations)
+        return plain
+    if isinstance(value, list | tuple):
+        return [_json_value(item, child_path(path, i), violations) for i, item in enumerate(value)]
+    item = getattr(value, "item", None)  # a numpy scalar
+    if type(value).__module__ == "numpy" and callable(item):
+        return _json_value(item(), path, violations)
+    violations.append(
+        Violation("FIELD_TYPE", path, f"a {type(value).__name__} is not a JSON value")
+    )
+    return None
