@@ -17,6 +17,7 @@ from .errors import EvidenceRejected, Violation, quote
 from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
 from .scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, open_in_bundle, read_header
+from .tensorfile import _where as file_where  # quoted unless plain: safe on a terminal
 
 __all__ = ["CODES", "MANIFEST_MAX_BYTES", "read_manifest_bytes", "verify_bundle"]
 
@@ -213,7 +214,12 @@ def _verify_file(
     found: list[Violation] = []
     for item, scan in zip(plan.bound, results, strict=True):
         if isinstance(scan, ShortRead):
-            return [Violation("FILE_CHANGED", plan.relpath, "the file shrank while it was read")]
+            where = file_where(plan.relpath)
+            return [Violation("FILE_CHANGED", where, "the file shrank while it was read")]
+        if isinstance(scan, OSError):  # an I/O error is unreadable evidence, not our defect
+            reason = os.strerror(scan.errno) if scan.errno else type(scan).__name__
+            where = file_where(plan.relpath)
+            return [Violation("FILE_UNREADABLE", where, f"{reason} while reading data")]
         if isinstance(scan, Exception):
             raise scan
         if scan.sha256 != item.entry.sha256:
@@ -227,7 +233,11 @@ def _verify_file(
         scans[item.entry.name] = scan
     if os.fstat(plan.fd).st_size != plan.header.size:
         found.append(
-            Violation("FILE_CHANGED", plan.relpath, "the file changed size while it was read")
+            Violation(
+                "FILE_CHANGED",
+                file_where(plan.relpath),
+                "the file changed size while it was read",
+            )
         )
     return found
 
@@ -269,7 +279,7 @@ def _binding_violations(
             found.append(
                 Violation(
                     "TENSOR_UNBOUND",
-                    relpath,
+                    file_where(relpath),
                     f"{quote(name)} is stored but no manifest entry binds it",
                 )
             )

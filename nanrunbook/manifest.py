@@ -310,9 +310,8 @@ def _scaler(sink: Sink, fields: Fields) -> Scaler | None:
                     fields.at(key),
                     f"{key!r} belongs to mode dynamic only",
                 )
-    if len(sink) > before:
+    if len(sink) > before or mode is None or scale is None:  # a missing one is reported
         return None
-    assert mode is not None and scale is not None
     scaler = Scaler(mode=mode, scale=scale, **dynamic)
     problems = rules.scaler_violations(scaler, fields.path)
     sink.violations.extend(problems)
@@ -473,9 +472,31 @@ def _tensor(sink: Sink, value: Any, path: str, resolution: str | None) -> Tensor
     shape = entry.array("shape")
     if shape is not None and not all(is_integer(d) and d >= 0 for d in shape):
         sink.add("SHAPE_INVALID", entry.at("shape"), "a shape is an array of integers >= 0")
+    elif shape is not None and _holds_more_than(shape, MAX_ELEMENTS):
+        # Past every cap; stop before a product of thousands of digits is computed.
+        sink.add(
+            "CAP_STAGE_ELEMENTS",
+            entry.at("shape"),
+            "the shape alone holds more than 2^53 - 1 elements, above any cap",
+        )
     if len(sink) > before:
         return None
     assert name is not None and dtype is not None and probe is not None and shape is not None
     return TensorEntry(
         name=name, dtype=dtype, shape=tuple(shape), probe=probe, file=file, sha256=sha256
     )
+
+
+MAX_ELEMENTS = 2**53 - 1  # no cap can be higher (Caps), no count can declare more
+
+
+def _holds_more_than(shape: list[int], limit: int) -> bool:
+    """Whether the product of ``shape`` exceeds ``limit``, without computing a huge one."""
+    if 0 in shape:
+        return False
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > limit:
+            return True
+    return False
