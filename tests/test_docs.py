@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -517,6 +518,15 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
+    # capture.torch needs torch to import; read its __all__ from the source instead.
+    torch_module = ast.parse((ROOT / "nanrunbook" / "capture" / "torch.py").read_text())
+    for node in torch_module.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names = ast.literal_eval(node.value)
+            public |= {f"nanrunbook.capture.torch.{name}" for name in names}
+    assert any(name.startswith("nanrunbook.capture.torch.") for name in public)
     assert table == public
 
 
