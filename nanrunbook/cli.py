@@ -229,5 +229,30 @@ def schema() -> None:
     sys.stdout.write(orjson.dumps(manifest_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
+@app.command()
+@guarded
+def seal(
+    bundle: Annotated[
+        Path,
+        typer.Argument(metavar="BUNDLE", help="The evidence bundle directory.", show_default=False),
+    ],
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a sha256 or content id that differs.")
+    ] = False,
+    format: Annotated[
+        CheckFormat, typer.Option("--format", "-f", help="Output format of the check.")
+    ] = CheckFormat.text,
+) -> None:
+    """Fill and verify tensor digests and the content id of a manifest, then check it.
+
+    Example: nanrunbook seal bundle/ --format kv
+    """
+    from .seal import seal_command
+
+    raise typer.Exit(
+        seal_command(bundle, force=force, format=format.value, out=sys.stdout, err=sys.stderr)
+    )
+
+
 def entry_point() -> None:
     app(prog_name="nanrunbook")

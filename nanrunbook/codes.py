@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from . import bundle, decision, fields, manifest, rules, strictjson, tensorfile
+from . import bundle, decision, fields, manifest, rules, seal, strictjson, tensorfile
 
 __all__ = ["CODES"]
 
 
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
-    for module in (strictjson, fields, manifest, rules, tensorfile, bundle, decision):
+    for module in (strictjson, fields, manifest, rules, tensorfile, bundle, decision, seal):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

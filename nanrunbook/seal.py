@@ -1,0 +1,305 @@
+"""``nanrunbook seal``: fill and verify the digests of a manifest another tool wrote.
+
+For every tensor entry of an OBSERVED ``complete`` stage that names a ``file``,
+the tensor's bytes are hashed through the bundle's safe file access (the same
+path resolution, header parser and bounded scanner ``check`` uses) and its
+``sha256`` is filled in when missing, or verified when present. Then the
+``evidence_content_id`` is filled in or verified. A value that is present and
+differs is never replaced without ``force``: the seal refuses with
+SEAL_VALUE_DIFFERS and writes nothing.
+
+The manifest is parsed with the strict parser, edited in place (the producer's
+key order is kept; a new key goes where the spec's field order puts it) and
+rewritten atomically. ``check`` is the judge afterwards: seal fills what can be
+computed and leaves every other rule to it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .atomic import atomic_write
+from .bundle import MANIFEST_NAME, read_manifest_bytes
+from .content_id import EVIDENCE_ID_KEY, evidence_content_id
+from .errors import EvidenceRejected, Violation, quote
+from .scan import ShortRead, scan_range
+from .strictjson import child_path, load_manifest_bytes
+from .tensorfile import TensorFileHeader, open_in_bundle, read_header
+
+__all__ = ["CODES", "SealResult", "seal_bundle", "seal_command"]
+
+CODES = {
+    "SEAL_VALUE_DIFFERS": (
+        "seal: an existing sha256 or evidence_content_id differs from the value computed"
+        " (replaced only with --force)"
+    ),
+    "SEAL_TENSOR_UNREADABLE": (
+        "seal: a complete-stage tensor cannot be hashed (its file is missing, unsafe or"
+        " malformed, or does not hold the tensor)"
+    ),
+    "SEAL_MANIFEST_CHANGED": "seal: manifest.json changed while it was being sealed",
+}
+
+_TENSOR_KEY_ORDER = ("name", "file", "dtype", "shape", "sha256", "probe")
+_TOP_KEY_ORDER = (
+    "format",
+    "contract_version",
+    "evidence_id",
+    EVIDENCE_ID_KEY,
+    "run",
+    "incident_owner",
+    "binding",
+    "last_known_good",
+    "stages",
+)
+
+
+@dataclass(slots=True)
+class SealResult:
+    """What the seal did: digests filled, verified and replaced; the content id's fate."""
+
+    filled: int = 0
+    verified: int = 0
+    replaced: int = 0
+    content_id: str = "verified"  # "filled", "verified", "resealed" or "replaced"
+    written: bool = False
+
+    def summary(self, bundle: str) -> str:
+        what = (
+            f"{self.filled} tensor digests filled, {self.verified} verified"
+            + (f", {self.replaced} replaced" if self.replaced else "")
+            + f"; evidence_content_id {self.content_id}"
+        )
+        done = "manifest.json rewritten" if self.written else "nothing to change"
+        return f"sealed {quote(bundle)}: {what}; {done}"
+
+
+def _insert(mapping: dict[str, Any], key: str, value: Any, order: tuple[str, ...]) -> None:
+    """Set ``mapping[key]`` in place, keeping existing keys where they are; a new
+    key goes right after the nearest key before it in ``order`` that is present
+    (first when none is)."""
+    if key in mapping:
+        mapping[key] = value
+        return
+    items = list(mapping.items())
+    names = [name for name, _ in items]
+    at = 0
+    for previous in reversed(order[: order.index(key)]):
+        if previous in mapping:
+            at = names.index(previous) + 1
+            break
+    items.insert(at, (key, value))
+    mapping.clear()
+    mapping.update(items)
+
+
+def _complete_entries(tree: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(JSON path, entry) of every tensor entry of an OBSERVED complete stage that
+    names a file. Anything malformed is skipped here: check reports it."""
+    stages = tree.get("stages")
+    if not isinstance(stages, list):
+        return
+    for s_index, stage in enumerate(stages):
+        if not isinstance(stage, dict):
+            continue
+        if stage.get("status") != "OBSERVED" or stage.get("resolution") != "complete":
+            continue
+        tensors = stage.get("tensors")
+        if not isinstance(tensors, list):
+            continue
+        for t_index, entry in enumerate(tensors):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("file"), str)
+                and isinstance(entry.get("name"), str)
+            ):
+                yield f"$.stages[{s_index}].tensors[{t_index}]", entry
+
+
+class _Files:
+    """Tensor files opened once each through the bundle's safe access."""
+
+    def __init__(self, bundle: Path) -> None:
+        self.bundle = bundle
+        self._open: dict[str, tuple[int, TensorFileHeader] | EvidenceRejected] = {}
+
+    def header(self, relpath: str) -> tuple[int, TensorFileHeader]:
+        known = self._open.get(relpath)
+        if known is None:
+            try:
+                fd = open_in_bundle(self.bundle, relpath)
+            except EvidenceRejected as error:
+                known = error
+            else:
+                try:
+                    known = (fd, read_header(fd, relpath))
+                except EvidenceRejected as error:
+                    os.close(fd)
+                    known = error
+            self._open[relpath] = known
+        if isinstance(known, EvidenceRejected):
+            raise known
+        return known
+
+    def close(self) -> None:
+        for value in self._open.values():
+            if not isinstance(value, EvidenceRejected):
+                os.close(value[0])
+        self._open.clear()
+
+
+def _digest(files: _Files, entry: dict[str, Any], where: str) -> str:
+    relpath: str = entry["file"]
+    name: str = entry["name"]
+    try:
+        fd, header = files.header(relpath)
+    except EvidenceRejected as error:
+        first = error.violations[0]
+        raise EvidenceRejected(
+            [
+                Violation(
+                    "SEAL_TENSOR_UNREADABLE",
+                    where,
+                    f"cannot hash tensor {quote(name)}: {first.code} {first.message}",
+                )
+            ]
+        ) from None
+    found = header.entries.get(name)
+    if found is None:
+        raise EvidenceRejected(
+            [
+                Violation(
+                    "SEAL_TENSOR_UNREADABLE",
+                    where,
+                    f"tensor file {quote(relpath)} holds no tensor named {quote(name)}",
+                )
+            ]
+        )
+    try:
+        scanned = scan_range(fd, found.begin, found.end - found.begin, found.dtype)
+    except (OSError, ShortRead) as error:
+        raise EvidenceRejected(
+            [
+                Violation(
+                    "SEAL_TENSOR_UNREADABLE",
+                    where,
+                    f"reading tensor {quote(name)} failed: {quote(error)}",
+                )
+            ]
+        ) from None
+    return scanned.sha256
+
+
+def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealResult:
+    """Fill missing tensor digests and the evidence content id of ``bundle``'s
+    manifest, verify the ones present, and rewrite manifest.json atomically.
+
+    Raises EvidenceRejected (nothing written) when the manifest is not strict
+    JSON, when a tensor to hash cannot be read (SEAL_TENSOR_UNREADABLE), when a
+    present value differs and ``force`` is false (SEAL_VALUE_DIFFERS, every one
+    listed), or when the manifest changes meanwhile (SEAL_MANIFEST_CHANGED).
+    """
+    path = Path(bundle)
+    raw = read_manifest_bytes(path)
+    tree = load_manifest_bytes(raw)
+    result = SealResult()
+    differs: list[Violation] = []
+    original_id = evidence_content_id(tree)
+
+    files = _Files(path)
+    try:
+        for where, entry in _complete_entries(tree):
+            actual = _digest(files, entry, where)
+            if "sha256" not in entry:
+                _insert(entry, "sha256", actual, _TENSOR_KEY_ORDER)
+                result.filled += 1
+            elif entry["sha256"] == actual:
+                result.verified += 1
+            elif force:
+                entry["sha256"] = actual
+                result.replaced += 1
+            else:
+                differs.append(
+                    Violation(
+                        "SEAL_VALUE_DIFFERS",
+                        f"{where}.sha256",
+                        f"declared {quote(entry['sha256'])}, the tensor's bytes hash to {actual}",
+                    )
+                )
+    finally:
+        files.close()
+
+    sealed_id = evidence_content_id(tree)
+    declared = tree.get(EVIDENCE_ID_KEY)
+    if EVIDENCE_ID_KEY not in tree:
+        result.content_id = "filled"
+    elif declared == sealed_id:
+        result.content_id = "verified"
+    elif declared == original_id:
+        result.content_id = "resealed"  # it sealed the manifest as given; digests were added
+    elif force:
+        result.content_id = "replaced"
+    else:
+        differs.append(
+            Violation(
+                "SEAL_VALUE_DIFFERS",
+                child_path("$", EVIDENCE_ID_KEY),
+                f"declared {quote(declared)}, the manifest's content seals to {sealed_id}",
+            )
+        )
+    if differs:
+        raise EvidenceRejected(differs)
+    _insert(tree, EVIDENCE_ID_KEY, sealed_id, _TOP_KEY_ORDER)
+
+    if result.filled or result.replaced or result.content_id != "verified":
+        import orjson
+
+        indented = b"\n" in raw.strip()
+        data = orjson.dumps(tree, option=orjson.OPT_INDENT_2 if indented else 0)
+        if raw.endswith(b"\n"):
+            data += b"\n"
+        if read_manifest_bytes(path) != raw:
+            raise EvidenceRejected(
+                [
+                    Violation(
+                        "SEAL_MANIFEST_CHANGED",
+                        MANIFEST_NAME,
+                        "manifest.json changed while it was sealed; nothing written",
+                    )
+                ]
+            )
+        atomic_write(path / MANIFEST_NAME, data)
+        result.written = True
+    return result
+
+
+def seal_command(bundle: Path, *, force: bool, format: str, out: IO[str], err: IO[str]) -> int:
+    """The CLI's ``seal``: seal, then check; returns the exit code (0, 1 or 3).
+
+    A refused seal is one line on ``err`` and exit 3. After a seal, its summary
+    goes to ``err`` and the check's verdict, in ``format``, to ``out``.
+    """
+    from .check import check_bundle
+    from .contract import contract_content_id
+    from .render import RENDERERS
+
+    try:
+        result = seal_bundle(bundle, force=force)
+    except EvidenceRejected as error:
+        more = len(error.violations) - 1
+        tail = f" (and {more} more)" if more else ""
+        err.write(f"nanrunbook: seal refused: {error.violations[0]}{tail}\n")
+        return error.exit_code
+    err.write(f"nanrunbook: {result.summary(str(bundle))}\n")
+    renderer = RENDERERS[format]
+    try:
+        report = check_bundle(bundle)
+    except EvidenceRejected as error:
+        renderer.rejection(error, str(bundle), contract_content_id(), out)
+        return error.exit_code
+    renderer.report(report, out)
+    return report.exit_code
