@@ -25,7 +25,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from .counting import Counter, Tally
 
@@ -85,16 +85,20 @@ def scan_range(
     *,
     buffer: bytearray | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    spare: bytearray | None = None,
 ) -> TensorScan:
     """Hash and count the bytes ``[offset, offset + length)`` of the open file ``fd``.
 
     ``buffer``, when given, is reused for the reads; its size rounded down to the
-    dtype's alignment is the chunk size. ``on_chunk``, when given, is called with
-    each chunk's byte count once it is hashed and counted; an exception it raises
-    stops the scan. Raises :class:`ShortRead` when the file ends early,
-    ``ValueError`` for a negative range, a length that is not whole elements or a
-    buffer smaller than one element group, and lets ``OSError`` from the reads
-    through.
+    dtype's alignment is the chunk size. ``spare``, a second buffer of the same
+    size, lets a helper thread read and count the next chunk while this thread
+    hashes the current one (used when a core would otherwise sit idle; the range
+    must span more than one chunk). ``on_chunk``, when given, is called in this
+    thread with each chunk's byte count once it is hashed and counted; an
+    exception it raises stops the scan. Raises :class:`ShortRead` when the file
+    ends early, ``ValueError`` for a negative range, a length that is not whole
+    elements or a buffer smaller than one element group, and lets ``OSError``
+    from the reads through.
     """
     if offset < 0 or length < 0:
         raise ValueError(f"invalid byte range offset={offset} length={length}")
@@ -111,17 +115,17 @@ def scan_range(
             raise ValueError(f"buffer of {len(buffer)} bytes is smaller than one {dtype} unit")
     _advise_sequential(fd, offset, length)
     digest = hashlib.sha256()
+    if spare is not None and len(spare) >= chunk and length > chunk:
+        _overlapped(fd, offset, length, chunk, (buffer, spare), digest, counter, on_chunk)
+        return TensorScan(sha256=digest.hexdigest(), tally=counter.result())
     done = 0
     view = memoryview(buffer)
     try:
         while done < length:
             want = min(chunk, length - done)
-            filled = 0
-            while filled < want:  # a read may return less than asked; only 0 is EOF
-                got = _read_into(fd, view[filled:want], offset + done + filled)
-                if got == 0:
-                    raise ShortRead(offset, length, done + filled)
-                filled += got
+            filled = _fill(fd, view[:want], offset + done)
+            if filled < want:
+                raise ShortRead(offset, length, done + filled)
             piece = view[:want]
             digest.update(piece)
             counter.feed(piece)
@@ -131,6 +135,72 @@ def scan_range(
     finally:
         view.release()
     return TensorScan(sha256=digest.hexdigest(), tally=counter.result())
+
+
+def _fill(fd: int, view: memoryview, position: int) -> int:
+    """Fill ``view`` from ``position``; fewer bytes only at the end of the file.
+
+    A read may return less than asked; only 0 is the end of the file.
+    """
+    filled = 0
+    while filled < len(view):
+        got = _read_into(fd, view[filled:], position + filled)
+        if got == 0:
+            break
+        filled += got
+    return filled
+
+
+def _overlapped(
+    fd: int,
+    offset: int,
+    length: int,
+    chunk: int,
+    buffers: tuple[bytearray, bytearray],
+    digest: Any,
+    counter: Counter,
+    on_chunk: Callable[[int], None] | None,
+) -> None:
+    """Double buffering: a helper reads and counts chunk k+1 while this thread hashes chunk k."""
+    free: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[tuple[memoryview, int] | BaseException] = queue.SimpleQueue()
+    for buffer in buffers:
+        free.put(memoryview(buffer))
+
+    def produce() -> None:
+        done = 0
+        try:
+            while done < length:
+                view = free.get()
+                if view is None:  # the hashing side stopped
+                    return
+                want = min(chunk, length - done)
+                filled = _fill(fd, view[:want], offset + done)
+                if filled < want:
+                    raise ShortRead(offset, length, done + filled)
+                counter.feed(view[:want])
+                ready.put((view, want))
+                done += want
+        except BaseException as error:  # handed to the hashing side, raised there
+            ready.put(error)
+
+    helper = threading.Thread(target=produce, name="nanrunbook-read", daemon=True)
+    helper.start()
+    try:
+        done = 0
+        while done < length:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            view, want = item
+            digest.update(view[:want])
+            free.put(view)
+            done += want
+            if on_chunk is not None:
+                on_chunk(want)
+    finally:
+        free.put(None)
+        helper.join()
 
 
 class ScanFunction(Protocol):
@@ -145,6 +215,7 @@ class ScanFunction(Protocol):
         *,
         buffer: bytearray | None = ...,
         on_chunk: Callable[[int], None] | None = ...,
+        spare: bytearray | None = ...,
     ) -> TensorScan: ...
 
 
@@ -166,6 +237,9 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+Overlap = Literal["tail", "never", "always"]
+
+
 class _Cancelled(Exception):
     """Raised inside a worker's scan when the caller stopped waiting (Ctrl-C)."""
 
@@ -180,6 +254,7 @@ def scan_all(
     chunk_size: int = CHUNK_SIZE,
     progress: Callable[[int], None] | None = None,
     scan: ScanFunction = scan_range,
+    overlap: Overlap = "tail",
 ) -> list[TensorScan | Exception]:
     """Scan every job, ``workers`` threads at a time (default: one per usable core).
 
@@ -187,9 +262,18 @@ def scan_all(
     or the exception its scan raised (:class:`ShortRead`, ``OSError``...); one
     job's failure does not stop the others. ``progress`` is called in the
     caller's thread with byte counts as chunks are done, adding up to the total
-    length. Each worker owns one buffer of ``chunk_size`` bytes (less when every
-    job is shorter), so memory is bounded by ``workers * chunk_size`` plus one
-    scratch chunk per worker for chunks holding non-finite elements.
+    length.
+
+    Jobs go to the workers longest first. Once no job is left to start, a core
+    would go idle while the last tensors are hashed, so those run overlapped: a
+    helper thread reads and counts the next chunk while the worker hashes (with
+    ``overlap="tail"``, the default; ``"never"`` and ``"always"`` exist to
+    measure the alternatives; ``workers=1`` never overlaps).
+
+    Memory: each worker owns one buffer of ``chunk_size`` bytes (less when every
+    job is shorter), a second one while it overlaps, and one scratch chunk for
+    chunks that hold non-finite elements: bounded by the workers and the chunk
+    size, whatever the size of the tensors.
 
     An exception in the caller's thread while it waits (``KeyboardInterrupt``
     from Ctrl-C, or one raised by ``progress``) stops the workers at their next
@@ -199,13 +283,30 @@ def scan_all(
     results: list[TensorScan | Exception | None] = [None] * len(jobs)
     longest = max((job.length for job in jobs), default=0)
     size = max(1, min(chunk_size, longest))
-    count = min(workers if workers is not None else default_workers(), len(jobs))
+    cores = workers if workers is not None else default_workers()
+    count = min(cores, len(jobs))
+
+    def overlapped(job: ScanJob, tail: bool) -> bool:
+        if cores < 2 or job.length <= size or overlap == "never":
+            return False
+        return overlap == "always" or tail
+
     if count <= 1:
         buffer = bytearray(size)
+        spare: bytearray | None = None
         for index, job in enumerate(jobs):
+            use = overlapped(job, tail=index == len(jobs) - 1)
+            if use and spare is None:
+                spare = bytearray(size)
             try:
                 results[index] = scan(
-                    job.fd, job.offset, job.length, job.dtype, buffer=buffer, on_chunk=progress
+                    job.fd,
+                    job.offset,
+                    job.length,
+                    job.dtype,
+                    buffer=buffer,
+                    on_chunk=progress,
+                    spare=spare if use else None,
                 )
             except Exception as error:
                 results[index] = error
@@ -227,15 +328,25 @@ def scan_all(
     def work() -> None:
         try:
             buffer = bytearray(size)
+            spare: bytearray | None = None
             while not cancel.is_set():
                 try:
                     index = pending.get_nowait()
                 except queue.Empty:
                     return
                 job = jobs[index]
+                use = overlapped(job, tail=pending.empty())  # nothing left to start
+                if use and spare is None:
+                    spare = bytearray(size)
                 try:
                     results[index] = scan(
-                        job.fd, job.offset, job.length, job.dtype, buffer=buffer, on_chunk=on_chunk
+                        job.fd,
+                        job.offset,
+                        job.length,
+                        job.dtype,
+                        buffer=buffer,
+                        on_chunk=on_chunk,
+                        spare=spare if use else None,
                     )
                 except _Cancelled:
                     return

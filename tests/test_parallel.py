@@ -149,6 +149,41 @@ def test_random_jobs_any_chunk_any_workers(
         assert result == TensorScan(hashlib.sha256(blob).hexdigest(), tally_bytes(job.dtype, blob))
 
 
+@pytest.mark.parametrize("overlap", ["never", "tail", "always"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_overlap_modes_same_results(overlap: Any, workers: int) -> None:
+    content, jobs, _ = many_tensors(48, seed=workers)
+    with file_with(content) as fd:
+        jobs = with_fd(jobs, fd)
+        expected = scan_all(jobs, workers=1, chunk_size=48, overlap="never")
+        assert scan_all(jobs, workers=workers, chunk_size=48, overlap=overlap) == expected
+        one = [jobs[-1]]  # a single tensor of several chunks: overlapped on 2+ cores
+        assert scan_all(one, workers=workers, chunk_size=48, overlap=overlap) == expected[-1:]
+
+
+def test_only_the_tail_is_overlapped() -> None:
+    spares: list[bool] = []
+
+    def scan(fd: int, offset: int, length: int, dtype: str, **kwargs: Any) -> TensorScan:
+        spares.append(kwargs["spare"] is not None)
+        return scan_range(fd, offset, length, dtype, **kwargs)
+
+    data = bytes(480)
+    with file_with(data) as fd:
+        scan_all([ScanJob(fd, 0, 480, "F32")] * 6, workers=1, chunk_size=48, scan=scan)
+        assert spares == [False] * 6  # one worker: nothing to overlap with
+        spares.clear()
+        scan_all([ScanJob(fd, 0, 480, "F32")], workers=2, chunk_size=48, scan=scan)
+        assert spares == [True]
+        spares.clear()
+        scan_all([ScanJob(fd, 0, 480, "F32")] * 6, workers=2, chunk_size=48, scan=scan)
+        assert spares.count(True) in (1, 2)  # the last one or two started
+        assert spares[:4] == [False] * 4
+        spares.clear()
+        scan_all([ScanJob(fd, 0, 48, "F32")], workers=2, chunk_size=48, scan=scan)
+        assert spares == [False]  # one chunk: nothing to overlap
+
+
 def test_results_in_job_order_when_finishing_out_of_order() -> None:
     # The longest job is handed out first and finishes last: order must not change.
     content, jobs, blobs = many_tensors(48, seed=7)
@@ -385,21 +420,32 @@ def test_short_read_in_one_file_same_as_one_thread(
         assert findings_and_violations(bundle, workers) == one
 
 
-def test_read_error_raised_as_one_thread_would(
+def test_read_errors_handled_as_one_thread_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import nanrunbook.bundle as bundle_module
 
     bundle = big_writer(tmp_path)
+    error: Exception = OSError(5, "Input/output error")
 
     def failing(fd: int, offset: int, length: int, dtype: str, **kwargs: Any) -> TensorScan:
         if length == (CHUNK_SIZE // 4 + 7) * 4:  # opt/big
-            raise OSError(5, "Input/output error")
+            raise error
         return scan_range(fd, offset, length, dtype, **kwargs)
 
     monkeypatch.setattr(bundle_module, "scan_range", failing)
+
+    def outcome(workers: int) -> Any:
+        try:
+            return findings_and_violations(bundle, workers)
+        except Exception as raised:
+            return raised
+
+    one = outcome(1)
+    assert outcome(3) == one
+    error = RuntimeError("a defect")  # not an I/O error: raised, whatever the workers
     for workers in (1, 3):
-        with pytest.raises(OSError, match="Input/output"):
+        with pytest.raises(RuntimeError, match="a defect"):
             findings_and_violations(bundle, workers)
 
 
@@ -513,10 +559,53 @@ def test_progress_bar_on_a_terminal_in_text_format_only(tmp_path: Path) -> None:
     assert b"reading tensors" in terminal
     assert b"reading tensors" not in out and b"\x1b[" not in out
     assert out.startswith(b"nanrunbook check: CONTINUE")
-    for fmt in ("json", "kv"):
-        code, out, terminal = run_on_terminal(cli("check", "--format", fmt, str(bundle)))
-        assert code == 0
-        assert terminal == b""
+    code, out, terminal = run_on_terminal(cli("check", "--format", "kv", str(bundle)))
+    assert code == 0
+    assert terminal == b""
+    assert b"decision=CONTINUE_BOUNDED_DIAGNOSTICS" in out
+
+
+def test_progress_sink_only_for_text_at_a_terminal() -> None:
+    from nanrunbook.progress import ByteProgress, check_progress
+
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            with check_progress(True, tty) as progress:
+                assert isinstance(progress, ByteProgress)
+            with check_progress(False, tty) as progress:  # json, kv
+                assert progress is None
+        with tempfile.TemporaryFile("w") as plain, check_progress(True, plain) as progress:
+            assert progress is None  # not a terminal
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_progress_sink_shows_after_its_delay_and_erases() -> None:
+    from nanrunbook.progress import ByteProgress
+
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            quick = ByteProgress(tty, delay=3600)
+            quick.start(100)
+            quick(50)
+            assert not quick.shown
+            slow = ByteProgress(tty, delay=0)
+            slow.start(100)
+            slow(50)
+            assert slow.shown
+            slow(50)
+            slow.close()
+            assert not slow.shown
+        screen = b""
+        while select.select([leader], [], [], 0.5)[0]:
+            screen += os.read(leader, 65536)
+        assert b"reading tensors" in screen
+    finally:
+        os.close(leader)
+        os.close(follower)
 
 
 def test_no_progress_bar_for_a_quick_check() -> None:

@@ -247,3 +247,56 @@ def test_sequential_read_hint_on_the_range(monkeypatch: pytest.MonkeyPatch) -> N
         scan_range(fd, len(PREFIX), 0, "F32")  # nothing to read, no hint
     assert got.tally == reference_f32(np.ones(10, dtype="<f4"))
     assert hints == [(len(PREFIX), len(data), os.POSIX_FADV_SEQUENTIAL)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=values_f32, buffer_size=st.integers(4, 70))
+def test_overlapped_read_matches_reference(values: list[float], buffer_size: int) -> None:
+    # With a spare buffer a helper thread reads and counts ahead while this one hashes.
+    arr = np.array(values, dtype="<f4")
+    data = arr.tobytes()
+    chunks: list[int] = []
+    with file_with(PREFIX + data + SUFFIX) as fd:
+        got = scan_range(
+            fd,
+            len(PREFIX),
+            len(data),
+            "F32",
+            buffer=bytearray(buffer_size),
+            spare=bytearray(buffer_size),
+            on_chunk=chunks.append,
+        )
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert got.tally == reference_f32(arr)
+    assert sum(chunks) == len(data)
+
+
+def helper_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name == "nanrunbook-read"]
+
+
+def test_overlapped_short_read_and_stop() -> None:
+    data = np.arange(100, dtype="<f4").tobytes()
+    with file_with(PREFIX + data) as fd:
+        with pytest.raises(ShortRead) as caught:
+            scan_range(
+                fd, len(PREFIX), len(data) + 8, "F32", buffer=bytearray(48), spare=bytearray(48)
+            )
+        assert caught.value.got == len(data)
+
+        def stop(nbytes: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            scan_range(
+                fd,
+                len(PREFIX),
+                len(data),
+                "F32",
+                buffer=bytearray(48),
+                spare=bytearray(48),
+                on_chunk=stop,
+            )
+    assert helper_threads() == []  # the helper is joined before the scan returns
