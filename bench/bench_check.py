@@ -1,0 +1,165 @@
+"""Benchmark: ``nanrunbook check`` on a big bundle against the SHA-256 floor and torch.
+
+    python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch]
+
+Generates a bundle of ``--size`` bytes once into ``.bench-cache/`` (see
+``bundlegen.py``), then times, alternating round by round so that the noise of
+a shared machine falls on every command alike, each in its own subprocess:
+
+* ``check``  -- the real CLI, ``nanrunbook check --format kv BUNDLE`` (HOLD, exit 1);
+* ``sha256`` -- one ``hashlib.sha256`` stream over the same tensor files
+  (``sha_floor.py``): the floor of any design that hashes on one core;
+* ``torch``  -- ``safetensors.torch.load_file`` + ``torch.isfinite`` per tensor
+  (``torch_naive.py``), what one would write without nanrunbook;
+* ``tiny``   -- ``nanrunbook check`` on the smallest fixture: start-up cost.
+
+It prints the median wall time of each, the ratios, and the peak RSS of each
+subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
+previous rounds (and an untimed warm-up) just read: the runs are warm-cache,
+as the output says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from bundlegen import ensure_bundle, parse_size, show_size, tensor_files  # noqa: E402
+
+TINY = ROOT / "fixtures" / "continue-all-finite"
+
+
+@dataclass
+class Command:
+    name: str
+    argv: list[str]
+    expect: int  # exit status
+    walls: list[float] = field(default_factory=list)
+    rss_kib: list[int] = field(default_factory=list)
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        code = os.waitstatus_to_exitcode(status)
+        if code != self.expect:
+            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise SystemExit(f"{self.name}: exit {code}, expected {self.expect}\n{err}")
+        if process.stderr:
+            process.stderr.close()
+        self.walls.append(wall)
+        self.rss_kib.append(usage.ru_maxrss)  # KiB on Linux
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.walls)
+
+    @property
+    def peak_mb(self) -> float:
+        return max(self.rss_kib) * 1024 / 1e6
+
+
+def nanrunbook_argv() -> list[str]:
+    script = Path(sys.executable).with_name("nanrunbook")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nanrunbook"]
+
+
+def torch_available() -> bool:
+    probe = [sys.executable, "-c", "import torch, safetensors.torch"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1GiB", help="bundle size, e.g. 1GiB, 4GiB, 256MiB")
+    parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    args = parser.parse_args()
+
+    size = parse_size(args.size)
+    bundle = ensure_bundle(args.cache, size)
+    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+    check = nanrunbook_argv()
+    commands = [
+        Command("check", [*check, "check", "--format", "kv", str(bundle)], expect=1),
+        Command("sha256", [sys.executable, str(HERE / "sha_floor.py"), str(bundle)], expect=0),
+        Command("tiny", [*check, "check", "--format", "kv", str(TINY)], expect=0),
+    ]
+    if args.no_torch:
+        print("torch baseline skipped (--no-torch)")
+    elif torch_available():
+        commands.append(
+            Command("torch", [sys.executable, str(HERE / "torch_naive.py"), str(bundle)], expect=0)
+        )
+    else:
+        print("torch baseline skipped: torch is not installed (pip install torch==2.13.0)")
+
+    print(
+        f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {len(tensor_files(bundle))} files)"
+    )
+    print(
+        f"machine    {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
+    )
+    print("cache      warm: an untimed warm-up run of each command read every file first,")
+    print("           and the bundle fits in memory, so each timed run reads the page cache")
+    # An installed package has its bytecode compiled (pip does it); this tree may not,
+    # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "nanrunbook")], check=True)
+    print("bytecode   nanrunbook compiled first, as an installed package is")
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
+    for command in commands:  # warm-up, untimed
+        command.run()
+        command.walls.clear()
+        command.rss_kib.clear()
+    for round_ in range(args.runs):
+        order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
+        for command in order:
+            command.run()
+        print(
+            f"round {round_ + 1}/{args.runs}: "
+            + "  ".join(f"{c.name} {c.walls[-1]:.3f}s" for c in commands),
+            flush=True,
+        )
+
+    by = {c.name: c for c in commands}
+    print()
+    print(
+        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}  (runs: {args.runs})"
+    )
+    for c in commands:
+        print(
+            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+        )
+    print()
+    ratio = by["check"].median / by["sha256"].median
+    gbps = data_bytes / by["check"].median / 1e9
+    print(
+        f"check / sha256 floor  {ratio:.2f} x   (target <= 0.75, at least < 1.0)  check reads {gbps:.2f} GB/s"
+    )
+    if "torch" in by:
+        speedup = by["torch"].median / by["check"].median
+        print(f"torch / check         {speedup:.1f} x   (target >= 5)")
+    print(
+        f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
+    )
+    print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
+
+
+if __name__ == "__main__":
+    main()
