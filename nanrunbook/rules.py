@@ -41,7 +41,8 @@ CODES = {
     "TELEMETRY_ID_DUPLICATE": "two stages share a telemetry_id",
     "TENSOR_SET_ID_DUPLICATE": "two stages share a tensor_set id",
     "TENSOR_NAME_DUPLICATE": "two tensor entries share a name",
-    "COUNTS_NOT_RECONCILED": "finite + nan + posinf + neginf is not elements",
+    "COUNTS_NOT_RECONCILED": "finite + nan + posinf + neginf is not elements, or more elements "
+    "are declared NaN or infinite than the stage's dtypes can encode",
     "COUNTS_ELEMENTS_MISMATCH": "counts.elements is not the sum of the stage's tensor sizes",
     "SUMMARY_SUB_RESOLUTION": "a summary covers fewer elements than its tensor set (a sample)",
     "FINITE_MAX_ABS_INVALID": "finite_max_abs is negative",
@@ -167,8 +168,42 @@ def stage_violations(record: StageRecord, path: str) -> list[Violation]:
                     f"declared {counts.elements}, the tensor shapes hold {expected}",
                 )
             )
+    elif not found:
+        found.extend(_impossible_counts(record, f"{path}.counts"))
     found.extend(_finite_max_abs_violations(record, f"{path}.finite_max_abs"))
     return found
+
+
+# Dtypes with an infinity encoding; the other floating ones have at most NaN (spec 6).
+_INFINITY_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "C64", "F8_E5M2"})
+
+
+def _impossible_counts(record: StageRecord, path: str) -> list[Violation]:
+    """Non-finite counts that no data of the stage's dtypes could give (an integer has
+    no NaN, F8_E4M3 no infinity): a summary is only declared, so this is its check."""
+    counts = record.counts
+    assert counts is not None
+    can_nan = sum(t.elements for t in record.tensors if DTYPES[t.dtype].has_nonfinite)
+    can_inf = sum(t.elements for t in record.tensors if t.dtype in _INFINITY_DTYPES)
+    if counts.nonfinite > can_nan:
+        return [
+            Violation(
+                "COUNTS_NOT_RECONCILED",
+                path,
+                f"{counts.nonfinite} non-finite elements declared, but only {can_nan} elements "
+                "are of a dtype that has a NaN or infinity encoding",
+            )
+        ]
+    if counts.posinf + counts.neginf > can_inf:
+        return [
+            Violation(
+                "COUNTS_NOT_RECONCILED",
+                path,
+                f"{counts.posinf + counts.neginf} infinite elements declared, but only {can_inf} "
+                "elements are of a dtype that has an infinity",
+            )
+        ]
+    return []
 
 
 def _finite_max_abs_violations(record: StageRecord, path: str) -> list[Violation]:

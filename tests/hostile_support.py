@@ -842,3 +842,38 @@ CASES.update(
         if name.startswith("case_") and name[len("case_") :] not in CASES
     }
 )
+
+
+def _retyped_summary(tmp: Path, dtype: str) -> Path:
+    """hold-optimizer-summary (3 NaN declared in its summary stage) with the summary's
+    tensors declared ``dtype``: an integer cannot hold NaN."""
+    model = base_model("hold-optimizer-summary")
+    stage = model.manifest["stages"][4]
+    for entry in stage["tensors"]:
+        entry["dtype"] = dtype
+    stage.pop("finite_max_abs", None)
+    return sealed(model, tmp)
+
+
+def case_summary_nan_in_integer_tensors(tmp: Path) -> Path:
+    return _retyped_summary(tmp, "I32")
+
+
+def case_summary_infinity_in_e4m3_tensors(tmp: Path) -> Path:
+    model = base_model("hold-optimizer-summary")
+    stage = model.manifest["stages"][4]
+    for entry in stage["tensors"]:
+        entry["dtype"] = "F8_E4M3"
+    counts = stage["counts"]
+    counts["posinf"], counts["nan"] = counts["nan"], 0
+    stage.pop("finite_max_abs", None)
+    return sealed(model, tmp)
+
+
+CASES.update(
+    {
+        name[len("case_") :]: fn
+        for name, fn in list(globals().items())
+        if name.startswith("case_") and name[len("case_") :] not in CASES
+    }
+)

@@ -528,3 +528,25 @@ def test_every_case_answers_cleanly_through_the_cli(name: str, tmp_path: Path) -
     assert result.stderr == ""
     for line in result.stdout.splitlines():
         assert KV_LINE.fullmatch(line), line
+
+
+# ------------------------------------------------ impossible declared counts
+
+
+@pytest.mark.parametrize(
+    "case", ["summary_nan_in_integer_tensors", "summary_infinity_in_e4m3_tensors"]
+)
+def test_summary_declaring_what_its_dtypes_cannot_hold(
+    case: str, build: Callable[[str], Path]
+) -> None:
+    """Regression: NaN declared in I32 tensors (or +inf in F8_E4M3 ones) of a summary,
+    which is never recounted, was accepted as HOLD."""
+    assert rejected(build(case)) == ["COUNTS_NOT_RECONCILED"]
+
+
+def test_summary_with_possible_counts_in_a_mixed_stage_is_accepted(tmp_path: Path) -> None:
+    model = hs.base_model("hold-optimizer-summary")
+    model.manifest["stages"][4]["tensors"][0]["dtype"] = "F8_E4M3"  # NaN possible there
+    model.manifest["stages"][4].pop("finite_max_abs", None)
+    report = check_bundle(hs.sealed(model, tmp_path))
+    assert report.decision.earliest_nonfinite_stage == "optimizer"
