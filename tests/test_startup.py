@@ -1,0 +1,91 @@
+"""Start-up imports only what a command uses: no torch ever; numpy and rich where used.
+
+Each case runs the real CLI entry point in a fresh interpreter and lists the
+modules loaded when it returns (timings belong to ``bench/bench_check.py``, not
+here).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+TINY = str(FIXTURES / "continue-all-finite")
+
+PROBE = """
+import contextlib, io, json, sys
+sys.argv = ["nanrunbook", *json.loads(sys.argv[1])]
+from nanrunbook.cli import entry_point
+code = 0
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        entry_point()
+    except SystemExit as stop:
+        code = stop.code
+sys.stderr.write(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+
+
+def loaded(*args: str) -> tuple[int, set[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(list(args))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = json.loads(done.stderr.strip().splitlines()[-1])
+    return report["code"], set(report["modules"])
+
+
+def tops(modules: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in modules}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["check", "--help"]])
+def test_help_loads_no_numpy_rich_or_torch(args: list[str]) -> None:
+    code, modules = loaded(*args)
+    assert code in (0, None)
+    assert not tops(modules) & {"numpy", "torch", "rich", "safetensors", "ml_dtypes"}
+
+
+def test_kv_check_loads_numpy_but_not_torch_or_rich() -> None:
+    code, modules = loaded("check", "--format", "kv", TINY)
+    assert code == 0
+    assert "numpy" in modules  # counting uses it
+    assert not tops(modules) & {"torch", "rich", "safetensors", "ml_dtypes"}
+
+
+def test_text_check_loads_no_torch_and_no_progress_bar_for_a_tiny_bundle() -> None:
+    code, modules = loaded("check", TINY)
+    assert code == 0
+    assert "torch" not in tops(modules)
+    assert "rich.progress" not in modules  # the bar is only built for a long read
+
+
+def test_rejected_check_loads_no_torch() -> None:
+    code, modules = loaded("check", "--format", "json", str(FIXTURES / "rejected-digests"))
+    assert code == 3
+    assert "torch" not in tops(modules)
+
+
+def test_importtime_of_help_names_no_numpy() -> None:
+    # The interpreter's own account, through the ``python -m nanrunbook`` entry.
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nanrunbook", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "nanrunbook.cli" in imported
+    assert not tops(imported) & {"numpy", "torch", "rich"}
