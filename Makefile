@@ -34,6 +34,11 @@ lint: $(VENV)/.test-installed
 fixtures: $(VENV)/.installed
 	$(BIN)/python fixtures/generate.py
 
+# `make bench`: time `nanrunbook check` on a generated bundle (cached in .bench-cache/)
+# against one SHA-256 stream and naive torch. BENCH_ARGS="--size 4GiB --runs 3" for more.
+bench: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_check.py $(BENCH_ARGS)
+
 # `make install`: the command, its man pages and shell completion for the installing
 # user, under PREFIX (default ~/.local). The package stays installed in $(VENV) and
 # $(PREFIX)/bin/nanrunbook links to it. With $(PREFIX)/bin on PATH, `man nanrunbook`
