@@ -39,6 +39,12 @@ fixtures: $(VENV)/.installed
 bench: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_check.py $(BENCH_ARGS)
 
+# `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
+# (20x the CI examples), then time and peak memory of every explicit hostile case.
+fuzz: $(VENV)/.test-installed
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_hostile_properties.py
+	$(BIN)/python fuzz/measure_cases.py
+
 # `make install`: the command, its man pages and shell completion for the installing
 # user, under PREFIX (default ~/.local). The package stays installed in $(VENV) and
 # $(PREFIX)/bin/nanrunbook links to it. With $(PREFIX)/bin on PATH, `man nanrunbook`
