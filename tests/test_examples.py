@@ -1,0 +1,84 @@
+"""The examples are real training runs that go NaN on the CPU; each must capture a
+bundle with replay_step and get HOLD at the stage where the symptom is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# example -> (earliest non-finite stage, first non-finite tensor, action)
+EXPECTED = {
+    "nan_loss_log_zero.py": ("loss", "loss", "hold-and-inspect-objective-reduction"),
+    "fp16_overflow_gradscaler.py": ("forward", "act/0", "hold-and-replay-forward-activations"),
+}
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+def kv(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def test_every_example_is_tested() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_goes_nan_captures_and_holds(name: str, tmp_path: Path) -> None:
+    stage, tensor, action = EXPECTED[name]
+    bundle = tmp_path / "bundle"
+    done = run(str(EXAMPLES / name), "--out", str(bundle))
+    assert done.returncode == 1, done.stdout + done.stderr  # HOLD, as the check answers
+    assert "Traceback" not in done.stderr
+    printed = kv(done.stdout)
+    assert printed["decision"] == "HOLD" and printed["earliest_nonfinite"] == stage
+
+    # The command line, on the bundle the example left, gives the same answer.
+    checked = run("-m", "nanrunbook", "check", "--format", "kv", str(bundle))
+    assert checked.returncode == 1, checked.stdout
+    answer = kv(checked.stdout)
+    assert (answer["decision"], answer["earliest_nonfinite"], answer["action"]) == (
+        "HOLD",
+        stage,
+        action,
+    )
+    report = json.loads(run("-m", "nanrunbook", "check", "--format", "json", str(bundle)).stdout)
+    assert report["first_nonfinite_tensor"] == tensor
+
+
+def test_fp16_example_records_the_scalers_own_skip(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    done = run(str(EXAMPLES / "fp16_overflow_gradscaler.py"), "--out", str(bundle))
+    assert done.returncode == 1, done.stdout + done.stderr
+    manifest = json.loads((bundle / "manifest.json").read_bytes())
+    scaler = manifest["binding"]["scaler"]
+    assert scaler["mode"] == "dynamic"
+    assert (scaler["found_inf"], scaler["step_skipped"]) == (True, True)
+    assert scaler["scale_after"] == scaler["scale"] * scaler["backoff_factor"]
+    assert manifest["binding"]["precision"]["compute_dtype"] == "F16"
+    statuses = [s["status"] for s in manifest["stages"]]
+    assert statuses == ["OBSERVED", "OBSERVED", "OBSERVED", "OBSERVED", "NOT_RUN"]
+    # The float32 batch itself was finite: the overflow is fp16's, inside the forward.
+    assert manifest["stages"][0]["counts"]["nan"] == 0
+    assert manifest["stages"][0]["finite_max_abs"] > 65504
+
+
+def test_log_zero_example_stops_before_backward(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    done = run(str(EXAMPLES / "nan_loss_log_zero.py"), "--out", str(bundle))
+    assert done.returncode == 1, done.stdout + done.stderr
+    manifest = json.loads((bundle / "manifest.json").read_bytes())
+    assert [s["status"] for s in manifest["stages"]] == ["OBSERVED"] * 3 + ["NOT_RUN"] * 2
+    assert manifest["stages"][1]["counts"]["nan"] == 0  # the probabilities were finite
+    assert manifest["binding"]["scaler"]["mode"] == "none"
