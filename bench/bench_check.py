@@ -115,6 +115,7 @@ def main() -> None:
         f"machine    {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
     )
+    print(f"load       1-min load average {os.getloadavg()[0]:.2f} before the runs")
     print("cache      warm: an untimed warm-up run of each command read every file first,")
     print("           and the bundle fits in memory, so each timed run reads the page cache")
     # An installed package has its bytecode compiled (pip does it); this tree may not,
@@ -159,6 +160,8 @@ def main() -> None:
         f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
     )
     print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
+    print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
+    print("                      others were running too and the ratios are pessimistic)")
 
 
 if __name__ == "__main__":
