@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,11 @@ EXAMPLES = ROOT / "examples"
 EXPECTED = {
     "nan_loss_log_zero.py": ("loss", "loss", "hold-and-inspect-objective-reduction"),
     "fp16_overflow_gradscaler.py": ("forward", "act/0", "hold-and-replay-forward-activations"),
+    "grad_nan_sqrt_zero.py": (
+        "backward",
+        "grad/0.weight",
+        "hold-and-inspect-gradient-path-and-loss-scaling",
+    ),
 }
 
 
@@ -24,6 +30,23 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
+
+
+Ran = Callable[[str], "tuple[subprocess.CompletedProcess[str], Path]"]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """Each example runs once per module: (its process, the bundle it wrote)."""
+    done: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def get(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        if name not in done:
+            bundle = tmp_path_factory.mktemp(name.removesuffix(".py")) / "bundle"
+            done[name] = (run(str(EXAMPLES / name), "--out", str(bundle)), bundle)
+        return done[name]
+
+    return get
 
 
 def kv(text: str) -> dict[str, str]:
@@ -35,10 +58,9 @@ def test_every_example_is_tested() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_example_goes_nan_captures_and_holds(name: str, tmp_path: Path) -> None:
+def test_example_goes_nan_captures_and_holds(name: str, ran: Ran) -> None:
     stage, tensor, action = EXPECTED[name]
-    bundle = tmp_path / "bundle"
-    done = run(str(EXAMPLES / name), "--out", str(bundle))
+    done, bundle = ran(name)
     assert done.returncode == 1, done.stdout + done.stderr  # HOLD, as the check answers
     assert "Traceback" not in done.stderr
     printed = kv(done.stdout)
@@ -57,9 +79,8 @@ def test_example_goes_nan_captures_and_holds(name: str, tmp_path: Path) -> None:
     assert report["first_nonfinite_tensor"] == tensor
 
 
-def test_fp16_example_records_the_scalers_own_skip(tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    done = run(str(EXAMPLES / "fp16_overflow_gradscaler.py"), "--out", str(bundle))
+def test_fp16_example_records_the_scalers_own_skip(ran: Ran) -> None:
+    done, bundle = ran("fp16_overflow_gradscaler.py")
     assert done.returncode == 1, done.stdout + done.stderr
     manifest = json.loads((bundle / "manifest.json").read_bytes())
     scaler = manifest["binding"]["scaler"]
@@ -74,11 +95,21 @@ def test_fp16_example_records_the_scalers_own_skip(tmp_path: Path) -> None:
     assert manifest["stages"][0]["finite_max_abs"] > 65504
 
 
-def test_log_zero_example_stops_before_backward(tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    done = run(str(EXAMPLES / "nan_loss_log_zero.py"), "--out", str(bundle))
+def test_log_zero_example_stops_before_backward(ran: Ran) -> None:
+    done, bundle = ran("nan_loss_log_zero.py")
     assert done.returncode == 1, done.stdout + done.stderr
     manifest = json.loads((bundle / "manifest.json").read_bytes())
     assert [s["status"] for s in manifest["stages"]] == ["OBSERVED"] * 3 + ["NOT_RUN"] * 2
     assert manifest["stages"][1]["counts"]["nan"] == 0  # the probabilities were finite
     assert manifest["binding"]["scaler"]["mode"] == "none"
+
+
+def test_sqrt_zero_example_holds_at_backward_under_a_finite_loss(ran: Ran) -> None:
+    done, bundle = ran("grad_nan_sqrt_zero.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    stages = json.loads((bundle / "manifest.json").read_bytes())["stages"]
+    assert [s["status"] for s in stages] == ["OBSERVED"] * 5  # no scaler: the copy stepped
+    loss, backward, optimizer = stages[2], stages[3], stages[4]
+    assert loss["counts"]["finite"] == loss["counts"]["elements"] == 1
+    assert backward["counts"]["nan"] == backward["counts"]["elements"]  # every gradient
+    assert optimizer["counts"]["nan"] > 0  # the update the real step would have applied
