@@ -506,6 +506,8 @@ def test_arguments_that_cannot_give_a_true_bundle_are_refused() -> None:
         replay_step(model, stranger, batch, xent, **IDENTITY)
     with pytest.raises(ValueError, match="no tensor"):
         replay_step(model, optimizer, {"ids": [1, 2]}, xent, **IDENTITY)
+    with pytest.raises(ValueError, match="needs a scalar loss"):
+        replay_step(model, optimizer, batch, lambda m, b: m(b["x"]).sum(1), **IDENTITY)
 
 
 # ---- replay_step: bindings --------------------------------------------------------------

@@ -511,6 +511,9 @@ def _run(
             writer.not_run("backward", owner=owner["backward"], reason=reason, gradients="unscaled")
             writer.not_run("optimizer", owner=owner["optimizer"], reason=reason)
             return writer, scaler_fields, hooks.weights
+    if loss.numel() != 1:
+        raise ValueError(f"the loss has {loss.numel()} elements; backward needs a scalar loss")
+    if scaler_copy is None:
         loss.backward()  # type: ignore[no-untyped-call]
         grad_source = "param.grad after loss.backward() on the copy (no loss scaling)"
     else:
