@@ -1002,6 +1002,8 @@ def apply_op(model: BundleModel, op: Op) -> None:
                 return raw[: max(0, len(raw) - 1 - a % 64)]
             if kind == 1:
                 return raw + bytes([a % 256]) * (1 + c % 16)
+            if not raw:
+                return raw
             pos = a % len(raw)
             flipped = raw[pos] ^ (1 << (c % 8)) if kind == 2 else c % 256
             return raw[:pos] + bytes([flipped]) + raw[pos + 1 :]
@@ -1019,6 +1021,8 @@ def apply_op(model: BundleModel, op: Op) -> None:
                 return raw + [b" \n\t", b"x", b"{}", b"\x00", b"\xff"][c % 5]
             if kind == 3:
                 return b"\n  " + raw  # leading whitespace: still one JSON value
+            if not raw:
+                return raw
             pos = a % len(raw)
             new = raw[pos] ^ (1 << (c % 8)) if kind == 4 else c % 256
             return raw[:pos] + bytes([new]) + raw[pos + 1 :]
@@ -1142,10 +1146,6 @@ TARGETED_OPS = (
     "stage_swap",
     "gradients",
 )
-
-
-def _stage_dicts(model: BundleModel) -> list[dict[str, Any]]:
-    return _stage_records(model)
 
 
 def targeted_op(model: BundleModel, name: str, a: int, b: int, c: int) -> None:
