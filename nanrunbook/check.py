@@ -42,7 +42,8 @@ def check_bundle(
     manifest, violations = parse_manifest(tree, caps)
     declared_id = tree.get("evidence_content_id")
     recomputed = evidence_content_id(tree)
-    if isinstance(declared_id, str) and declared_id != recomputed:
+    malformed = any(v.code == "EVIDENCE_CONTENT_ID_INVALID" for v in violations)
+    if isinstance(declared_id, str) and declared_id != recomputed and not malformed:
         violations.append(
             Violation(
                 "EVIDENCE_CONTENT_ID_MISMATCH",

@@ -7,6 +7,7 @@ error, 3 evidence rejected, 4 internal error, 130 interrupted.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -90,6 +91,9 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             sys.stderr.write("nanrunbook: interrupted\n")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:
+            # Only output that carries no verdict gets here (help, documents).
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
             raise typer.Exit(0) from None
         except Exception as error:
             sys.stderr.write(f"nanrunbook: internal error: {type(error).__name__}: {error}\n")
@@ -150,10 +154,26 @@ def check(
         with check_progress(format is CheckFormat.text) as progress:
             report = check_bundle(bundle, caps=caps, progress=progress)
     except EvidenceRejected as error:
-        renderer.rejection(error, str(bundle), contract_content_id(caps), sys.stdout)
+        rejected = functools.partial(
+            renderer.rejection, error, str(bundle), contract_content_id(caps), sys.stdout
+        )
+        _emit(rejected)
         raise typer.Exit(EXIT_REJECTED) from None
-    renderer.report(report, sys.stdout)
+    _emit(functools.partial(renderer.report, report, sys.stdout))
     raise typer.Exit(report.exit_code)
+
+
+def _emit(write: Callable[[], None]) -> None:
+    """Write the verdict; a reader that went away (``| head``, ``grep -q``) must not
+    change the exit code, which is the verdict a CI gate reads."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 @app.command()

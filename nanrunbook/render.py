@@ -7,6 +7,7 @@ constrains to a shell-safe alphabet, never free text from the manifest.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import IO, Any, ClassVar
@@ -102,6 +103,20 @@ def _magnitude(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
 
 
+@functools.cache
+def _verdict_console() -> Any:
+    """rich's Console, except that a closed pipe raises BrokenPipeError: rich would
+    exit 1, and the caller must keep the verdict's exit code. Built on first use so
+    kv and json never import rich."""
+    from rich.console import Console
+
+    class VerdictConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return VerdictConsole
+
+
 class TextRenderer(Renderer):
     """The on-call view, through rich; colour only on a terminal without NO_COLOR."""
 
@@ -111,13 +126,11 @@ class TextRenderer(Renderer):
         self.force_terminal = force_terminal
 
     def _console(self, out: IO[str]) -> Any:
-        from rich.console import Console
-
         # rich drops styles when ``out`` is not a terminal; NO_COLOR (any
         # non-empty value, no-color.org) turns off every escape sequence, bold
         # included. Soft wrapping keeps ids and messages whole in logs.
         plain = bool(os.environ.get("NO_COLOR"))
-        return Console(
+        return _verdict_console()(
             file=out,
             highlight=False,
             emoji=False,

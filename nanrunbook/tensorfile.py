@@ -43,8 +43,7 @@ _METADATA = "__metadata__"
 
 CODES: dict[str, str] = {
     "FILE_PATH_UNSAFE": (
-        "a tensor file path is empty, absolute, non-canonical, or has a '..' component,"
-        " a backslash or a NUL"
+        "a tensor file path is empty, absolute, or has a '..' component, a backslash or a NUL"
     ),
     "FILE_MISSING": "a tensor file named by the manifest does not exist",
     "FILE_OUTSIDE_BUNDLE": "a tensor file path resolves (through symlinks) outside the bundle",
@@ -200,6 +199,9 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     parts = [] if target == root else os.path.relpath(target, root).split(os.sep)
     if not parts:
         raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} is the bundle directory")
+    if relpath.endswith(("/", "/.")):
+        # realpath drops the trailing "/", but the path names a directory (POSIX).
+        raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} names a directory")
 
     opened: list[int] = []
     try:

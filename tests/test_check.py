@@ -387,3 +387,25 @@ def test_environment_without_color_vars_is_plain() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TERM")}
     env["NO_COLOR"] = "1"
     assert "\x1b[" not in run("check", str(HOLD_FIXTURE), env=env).stdout
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "kv"])
+@pytest.mark.parametrize(
+    ("fixture", "code"),
+    [("continue-all-finite", 0), ("hold-loss", 1), ("rejected-identity", 3)],
+)
+def test_closed_stdout_keeps_the_verdicts_exit_code(fmt: str, fixture: str, code: int) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write gets EPIPE, as after `| head -0` or `grep -q`
+    try:
+        result = subprocess.run(
+            [*CLI, "check", "-f", fmt, str(FIXTURES / fixture)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == code
+    assert "Traceback" not in result.stderr

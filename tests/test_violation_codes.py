@@ -650,3 +650,22 @@ def test_every_code_is_tested_somewhere() -> None:
     tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
     missing = [code for code in CODES if f'"{code}"' not in tests]
     assert missing == []
+
+
+def test_a_malformed_content_id_is_reported_once(tmp_path: Path) -> None:
+    bundle = edited(tmp_path, lambda m: m.update(evidence_content_id="sha256:abc"), reseal=False)
+    with pytest.raises(EvidenceRejected) as info:
+        check_bundle(bundle)
+    assert info.value.codes == ("EVIDENCE_CONTENT_ID_INVALID",)
+
+
+@pytest.mark.parametrize("suffix", ["/", "/."])
+def test_a_file_path_naming_a_directory_is_not_a_file(tmp_path: Path, suffix: str) -> None:
+    def change(m: dict[str, Any]) -> None:
+        for record in m["stages"]:
+            for tensor in record["tensors"]:
+                tensor["file"] += suffix
+
+    with pytest.raises(EvidenceRejected) as info:
+        check_bundle(edited(tmp_path, change))
+    assert set(info.value.codes) == {"FILE_NOT_REGULAR"}
