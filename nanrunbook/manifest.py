@@ -38,6 +38,17 @@ from .content_id import EVIDENCE_ID_PREFIX
 EVIDENCE_ID_FORM = re.compile(re.escape(EVIDENCE_ID_PREFIX) + r"[0-9a-f]{64}")
 SHA256_FORM = re.compile(r"[0-9a-f]{64}")
 
+TOP_LEVEL_FIELDS = (
+    "format",
+    "contract_version",
+    "evidence_id",
+    "evidence_content_id",
+    "run",
+    "incident_owner",
+    "binding",
+    "last_known_good",
+    "stages",
+)
 BINDING_ITEMS = (
     "model",
     "checkpoint",
@@ -99,17 +110,7 @@ def parse_manifest(
         sink,
         tree,
         "$",
-        required=(
-            "format",
-            "contract_version",
-            "evidence_id",
-            "evidence_content_id",
-            "run",
-            "incident_owner",
-            "binding",
-            "last_known_good",
-            "stages",
-        ),
+        required=TOP_LEVEL_FIELDS,
     )
     fmt = top.string("format")
     if fmt is not None and fmt != BUNDLE_FORMAT:

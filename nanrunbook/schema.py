@@ -29,6 +29,7 @@ from .manifest import (
     RESOLUTIONS,
     SCALER_MODES,
     STATUSES,
+    TOP_LEVEL_FIELDS,
     TYPED_FIELDS,
 )
 from .model import STAGE_ORDER
@@ -284,17 +285,7 @@ def manifest_schema() -> dict[str, Any]:
             "(nanrunbook-bundle(5))."
         ),
         "type": "object",
-        "required": [
-            "format",
-            "contract_version",
-            "evidence_id",
-            "evidence_content_id",
-            "run",
-            "incident_owner",
-            "binding",
-            "last_known_good",
-            "stages",
-        ],
+        "required": list(TOP_LEVEL_FIELDS),
         "additionalProperties": False,
         "properties": {
             "format": {"const": BUNDLE_FORMAT},

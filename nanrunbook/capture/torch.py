@@ -25,34 +25,14 @@ from typing import Any
 
 import torch
 
+from ..manifest import BINDING_ITEMS
 from ..tensorwriter import RawTensor
-from .writer import BundleWriter
+from .writer import NUMPY_DTYPES, BundleWriter
 
 __all__ = ["TORCH_DTYPES", "replay_step", "tensor_to_raw"]
 
-# torch dtype names -> safetensors dtype names.
-TORCH_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-    "complex64": "C64",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e8m0fnu": "F8_E8M0",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    "float4_e2m1fn_x2": "F4",
-}
+# torch and numpy/ml_dtypes share their dtype names; torch adds packed F4.
+TORCH_DTYPES = {**NUMPY_DTYPES, "float4_e2m1fn_x2": "F4"}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -426,24 +406,9 @@ def replay_step(
         "compute_dtype": compute_dtype,
     }
     items = {**derived, **{name: dict(fields) for name, fields in binding.items()}}
-    order = (
-        "model",
-        "checkpoint",
-        "data",
-        "batch",
-        "loader_cursor",
-        "objective",
-        "optimizer",
-        "scheduler",
-        "scaler",
-        "random_state",
-        "environment",
-        "topology",
-        "precision",
-    )
     writer.binding = {
-        **{name: items[name] for name in order if name in items},
-        **{name: value for name, value in items.items() if name not in order},
+        **{name: items[name] for name in BINDING_ITEMS if name in items},
+        **{name: value for name, value in items.items() if name not in BINDING_ITEMS},
     }
     if target is not None:
         writer.write(target, overwrite=overwrite)

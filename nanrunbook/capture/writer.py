@@ -27,13 +27,13 @@ from ..contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
 from ..counting import tally_bytes
 from ..dtypes import DTYPES
 from ..errors import EvidenceRejected, Violation
+from ..manifest import RECOVERY_PARTS
 from ..model import STAGE_ORDER, Counts
 from ..strictjson import MAX_SAFE_INTEGER, child_path
 from ..tensorwriter import RawTensor, safetensors_chunks
 
 __all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw"]
 
-RECOVERY_PARTS = ("model", "optimizer", "scheduler", "scaler", "data_position")
 TENSOR_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 
