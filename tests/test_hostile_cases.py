@@ -452,12 +452,13 @@ def test_rich_console_forced_to_a_terminal_prints_markup_literally(
 
     from nanrunbook.render import RENDERERS
 
-    real = rich.console.Console
+    real_init = rich.console.Console.__init__
 
-    def forced(*args: Any, **kwargs: Any) -> Any:
-        return real(*args, **{**kwargs, "force_terminal": True, "color_system": "truecolor"})
+    def forced(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **{**kwargs, "force_terminal": True, "color_system": "truecolor"})
 
-    monkeypatch.setattr(rich.console, "Console", forced)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(rich.console.Console, "__init__", forced)
     out = io.StringIO()
     RENDERERS["text"].report(check_bundle(build("hostile_probe_texts")), out)
     assert "\x1b[" in out.getvalue()

@@ -560,6 +560,8 @@ def oracle(bundle: Path) -> Verdict:
 
 
 def _resolve(root: str, relpath: str) -> os.stat_result:
+    # POSIX: a trailing slash names a directory (the project's documented choice too).
+    need(not relpath.endswith("/"), "a path ending in / names a directory")
     try:
         target = os.path.realpath(os.path.join(root, relpath), strict=True)
     except OSError:
