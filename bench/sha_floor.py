@@ -1,26 +1,31 @@
 """Floor for the benchmark: one SHA-256 stream over every tensor file of a bundle.
 
 Reads each ``*.safetensors`` file of the bundle in name order into one reused
-1 MiB buffer and feeds a single ``hashlib.sha256``: no counting, no checking,
-one core. A check that hashes each tensor on its own can beat it only by using
-more than one core.
+2 MiB page-aligned buffer (an anonymous memory map: the kernel copies into it
+faster than into a plain ``bytearray``, as it does for ``check``) and feeds a
+single ``hashlib.sha256``: no counting, no checking, one core. A check that
+hashes each tensor on its own can beat it only by using more than one core.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import sys
 from pathlib import Path
 
 
 def main(bundle: Path) -> None:
     digest = hashlib.sha256()
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
+    view = memoryview(mmap.mmap(-1, 2 << 20))
     for path in sorted(bundle.glob("*.safetensors")):
-        with open(path, "rb", buffering=0) as handle:
-            while n := handle.readinto(buffer):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [view]):
                 digest.update(view[:n])
+        finally:
+            os.close(fd)
     print(digest.hexdigest())
 
 
