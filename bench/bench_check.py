@@ -11,7 +11,10 @@ a shared machine falls on every command alike, each in its own subprocess:
   (``sha_floor.py``): the floor of any design that hashes on one core;
 * ``torch``  -- ``safetensors.torch.load_file`` + ``torch.isfinite`` per tensor
   (``torch_naive.py``), what one would write without nanrunbook;
-* ``tiny``   -- ``nanrunbook check`` on the smallest fixture: start-up cost.
+* ``tiny``   -- ``nanrunbook check`` on the smallest fixture: start-up cost;
+* ``library`` -- the same check as ``check`` through ``nanrunbook.check_bundle``
+  and the kv renderer in a plain ``python -c``: the difference to ``check`` is
+  the cost of the command-line framework's start-up.
 
 It prints the median wall time of each, the ratios, and the peak RSS of each
 subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
@@ -39,6 +42,12 @@ sys.path.insert(0, str(HERE))
 from bundlegen import ensure_bundle, parse_size, show_size, tensor_files  # noqa: E402
 
 TINY = ROOT / "fixtures" / "continue-all-finite"
+# The same check and kv output through the library, without the CLI framework:
+# shows what the command line's own start-up costs.
+LIBRARY = (
+    "import sys; from nanrunbook import check_bundle; from nanrunbook.render import RENDERERS; "
+    "r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
+)
 
 
 @dataclass
@@ -98,6 +107,7 @@ def main() -> None:
         Command("check", [*check, "check", "--format", "kv", str(bundle)], expect=1),
         Command("sha256", [sys.executable, str(HERE / "sha_floor.py"), str(bundle)], expect=0),
         Command("tiny", [*check, "check", "--format", "kv", str(TINY)], expect=0),
+        Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], expect=1),
     ]
     if args.no_torch:
         print("torch baseline skipped (--no-torch)")
@@ -156,6 +166,8 @@ def main() -> None:
     if "torch" in by:
         speedup = by["torch"].median / by["check"].median
         print(f"torch / check         {speedup:.1f} x   (target >= 5)")
+    lib = by["library"].median / by["sha256"].median
+    print(f"library / sha256      {lib:.2f} x   (the same check without the CLI framework)")
     print(
         f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
     )
