@@ -6,15 +6,14 @@ On the cached benchmark bundle (many tensors, see ``bundlegen.py``) and on one
 file holding a single big BF16 tensor, times in one process, alternating round
 by round:
 
-* ``sha256``   -- one hashlib stream over the same bytes (the one-core floor),
-  read into a page-aligned 2 MiB buffer like the scan's; ``sha256-ba`` reads
-  into a 1 MiB ``bytearray`` instead, the usual idiom;
+* ``sha256``   -- one hashlib stream over the same bytes (the one-core floor);
 * ``seq``      -- ``scan_all(workers=1)``: the one-thread scan (read, hash, count);
 * ``pool``     -- one worker per core, each reads, hashes and counts its tensors;
 * ``tail``     -- the pool, and the last tensors overlapped (the default);
 * ``pipe``     -- every worker overlapped: a helper reads and counts chunk k+1
   while the worker hashes chunk k (a reader/hasher pipeline, double-buffered);
-* ``tail@S``   -- the default design with chunk size S.
+* ``tail@S``   -- the default design with chunk size S;
+* ``read``     -- only the reads (the kernel's copy from the page cache).
 
 Prints medians and ratios to the ``sha256`` floor of the same run. No start-up
 cost is included (see ``bench_check.py`` for the real CLI).
@@ -39,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bundlegen import ensure_bundle, parse_size, tensor_files  # noqa: E402
 
-from nanrunbook.scan import CHUNK_SIZE, Buffer, ScanJob, new_buffer, scan_all  # noqa: E402
+from nanrunbook.scan import CHUNK_SIZE, ScanJob, scan_all  # noqa: E402
 from nanrunbook.tensorfile import read_header  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -69,7 +68,7 @@ def single_tensor(cache: Path, size: int) -> list[ScanJob]:
     return [ScanJob(fd, 0, size, "BF16")]
 
 
-def sha_floor(jobs: list[ScanJob], buffer: Buffer) -> None:
+def sha_floor(jobs: list[ScanJob], buffer: bytearray) -> None:
     digest = hashlib.sha256()
     view = memoryview(buffer)
     size = len(view)
@@ -81,14 +80,23 @@ def sha_floor(jobs: list[ScanJob], buffer: Buffer) -> None:
             done += n
 
 
+def copy_only(jobs: list[ScanJob], buffer: bytearray) -> None:
+    """Only the kernel's copy from the page cache: the read cost of a scan."""
+    view = memoryview(buffer)
+    size = len(view)
+    for job in jobs:
+        for done in range(0, job.length, size):
+            os.preadv(job.fd, [view[: min(size, job.length - done)]], job.offset + done)
+
+
 def chunk(size: int) -> int:
     return size - size % 24
 
 
 def variants(jobs: list[ScanJob]) -> dict[str, Callable[[], object]]:
     out: dict[str, Callable[[], object]] = {
-        "sha256": lambda: sha_floor(jobs, new_buffer(CHUNK_SIZE)),  # page-aligned, 2 MiB
-        "sha256-ba": lambda: sha_floor(jobs, bytearray(MiB)),  # the usual readinto idiom
+        "sha256": lambda: sha_floor(jobs, bytearray(CHUNK_SIZE)),
+        "read": lambda: copy_only(jobs, bytearray(CHUNK_SIZE)),
         "seq": lambda: scan_all(jobs, workers=1),
         "pool": lambda: scan_all(jobs, overlap="never"),
         "tail": lambda: scan_all(jobs),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
 import os
 import queue
 import threading
@@ -32,13 +31,11 @@ from .counting import Counter, Tally
 
 __all__ = [
     "CHUNK_SIZE",
-    "Buffer",
     "ScanFunction",
     "ScanJob",
     "ShortRead",
     "TensorScan",
     "default_workers",
-    "new_buffer",
     "scan_all",
     "scan_range",
 ]
@@ -66,25 +63,6 @@ class ShortRead(Exception):
         super().__init__(f"file ended after {got} of {length} bytes from offset {offset}")
 
 
-Buffer = bytearray | mmap.mmap
-_PAGE_ALIGNED_FROM = 64 * 1024
-
-
-def new_buffer(size: int) -> Buffer:
-    """A reusable read buffer of ``size`` bytes, page-aligned when it is large.
-
-    The kernel copies file data into a page-aligned buffer markedly faster than
-    into one at malloc's odd offset (bench/bench_scan.py): large buffers are
-    anonymous memory maps, which are page-aligned (no file is mapped).
-    """
-    if size >= _PAGE_ALIGNED_FROM:
-        try:
-            return mmap.mmap(-1, size)
-        except (OSError, ValueError):  # no anonymous maps here: unaligned is fine
-            pass
-    return bytearray(size)
-
-
 def _read_into(fd: int, view: memoryview, position: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], position)
@@ -105,9 +83,9 @@ def scan_range(
     length: int,
     dtype: str,
     *,
-    buffer: Buffer | None = None,
+    buffer: bytearray | None = None,
     on_chunk: Callable[[int], None] | None = None,
-    spare: Buffer | None = None,
+    spare: bytearray | None = None,
 ) -> TensorScan:
     """Hash and count the bytes ``[offset, offset + length)`` of the open file ``fd``.
 
@@ -129,7 +107,7 @@ def scan_range(
     if length % align:
         raise ValueError(f"{dtype} range of {length} bytes is not whole elements")
     if buffer is None:
-        buffer = new_buffer(min(CHUNK_SIZE, length))
+        buffer = bytearray(min(CHUNK_SIZE, length))
         chunk = len(buffer)
     else:
         chunk = len(buffer) - len(buffer) % align
@@ -178,7 +156,7 @@ def _overlapped(
     offset: int,
     length: int,
     chunk: int,
-    buffers: tuple[Buffer, Buffer],
+    buffers: tuple[bytearray, bytearray],
     digest: Any,
     counter: Counter,
     on_chunk: Callable[[int], None] | None,
@@ -235,9 +213,9 @@ class ScanFunction(Protocol):
         length: int,
         dtype: str,
         *,
-        buffer: Buffer | None = ...,
+        buffer: bytearray | None = ...,
         on_chunk: Callable[[int], None] | None = ...,
-        spare: Buffer | None = ...,
+        spare: bytearray | None = ...,
     ) -> TensorScan: ...
 
 
@@ -314,12 +292,12 @@ def scan_all(
         return overlap == "always" or tail
 
     if count <= 1:
-        buffer = new_buffer(size)
-        spare: Buffer | None = None
+        buffer = bytearray(size)
+        spare: bytearray | None = None
         for index, job in enumerate(jobs):
             use = overlapped(job, tail=index == len(jobs) - 1)
             if use and spare is None:
-                spare = new_buffer(size)
+                spare = bytearray(size)
             try:
                 results[index] = scan(
                     job.fd,
@@ -349,8 +327,8 @@ def scan_all(
 
     def work() -> None:
         try:
-            buffer = new_buffer(size)
-            spare: Buffer | None = None
+            buffer = bytearray(size)
+            spare: bytearray | None = None
             while not cancel.is_set():
                 try:
                     index = pending.get_nowait()
@@ -359,7 +337,7 @@ def scan_all(
                 job = jobs[index]
                 use = overlapped(job, tail=pending.empty())  # nothing left to start
                 if use and spare is None:
-                    spare = new_buffer(size)
+                    spare = bytearray(size)
                 try:
                     results[index] = scan(
                         job.fd,

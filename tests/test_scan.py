@@ -300,20 +300,3 @@ def test_overlapped_short_read_and_stop() -> None:
                 on_chunk=stop,
             )
     assert helper_threads() == []  # the helper is joined before the scan returns
-
-
-def test_large_buffers_are_page_aligned_anonymous_maps() -> None:
-    import ctypes
-    import mmap
-
-    from nanrunbook.scan import new_buffer
-
-    big = new_buffer(CHUNK_SIZE)
-    assert isinstance(big, mmap.mmap) and len(big) == CHUNK_SIZE
-    assert ctypes.addressof(ctypes.c_char.from_buffer(big)) % mmap.PAGESIZE == 0
-    small = new_buffer(100)
-    assert isinstance(small, bytearray) and len(small) == 100
-    data = np.array([1.0, np.nan, -4.0] * 1000, dtype="<f4")
-    with file_with(PREFIX + data.tobytes()) as fd:
-        got = scan_range(fd, len(PREFIX), data.nbytes, "F32", buffer=new_buffer(96 * 1024))
-    assert got.tally == reference_f32(data)
