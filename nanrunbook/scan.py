@@ -31,6 +31,7 @@ from .counting import Counter, Tally
 
 __all__ = [
     "CHUNK_SIZE",
+    "MAX_WORKERS",
     "ScanFunction",
     "ScanJob",
     "ShortRead",
@@ -229,12 +230,18 @@ class ScanJob:
     dtype: str
 
 
+# Past a few cores the memory bus, not SHA-256, limits the scan; the cap keeps the
+# buffers (up to three chunks per worker) small on a large machine too.
+MAX_WORKERS = 16
+
+
 def default_workers() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
+    """The cores this process may run on (its CPU affinity), 1 to MAX_WORKERS."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
 
 
 Overlap = Literal["tail", "never", "always"]
@@ -256,7 +263,7 @@ def scan_all(
     scan: ScanFunction = scan_range,
     overlap: Overlap = "tail",
 ) -> list[TensorScan | Exception]:
-    """Scan every job, ``workers`` threads at a time (default: one per usable core).
+    """Scan every job, ``workers`` threads at a time (default: :func:`default_workers`).
 
     Returns one result per job, in the order of ``jobs``: its :class:`TensorScan`,
     or the exception its scan raised (:class:`ShortRead`, ``OSError``...); one
