@@ -518,8 +518,11 @@ def case_header_million_tensors(tmp: Path) -> Path:
 
 def case_header_many_tensors_under_bound(tmp: Path) -> Path:
     """As many zero-length tensors as fit in the header bound a 10-entry file gets
-    (16 MiB + 4096 bytes per bound entry): the largest header that is parsed."""
-    bound = 16 * 1024 * 1024 + 4096 * 10
+    (HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY per bound entry): the largest
+    header that is parsed."""
+    from nanrunbook.bundle import HEADER_BASE_BYTES, HEADER_BYTES_PER_ENTRY
+
+    bound = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * 10
     count = bound // 56 - 1
     header = _many_tensor_header(count)
     while len(header) > bound:
