@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _report import report  # examples/_report.py: prints the check's verdict
 
-import nanrunbook
 from nanrunbook.capture.torch import replay_step
 
 RUN_ID = "example-fp16-overflow"
@@ -111,27 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         return report(out)
     print("the loss stayed finite; no incident")
     return 2
-
-
-def report(bundle: Path) -> int:
-    try:
-        result = nanrunbook.check_bundle(bundle)
-    except nanrunbook.EvidenceRejected as error:
-        print(f"bundle {bundle}: {error}")
-        return error.exit_code
-    decision = result.decision
-    scaler = result.manifest.binding.scaler
-    print(f"bundle: {bundle}")
-    print(f"decision={decision.decision}")
-    print(f"earliest_nonfinite={decision.earliest_nonfinite_stage or 'none'}")
-    print(f"first_nonfinite_tensor={decision.first_nonfinite_tensor}")
-    print(f"action={decision.action}")
-    print(
-        f"scaler: found_inf={scaler.found_inf} step_skipped={scaler.step_skipped}"
-        f" scale {scaler.scale} -> {scaler.scale_after}"
-    )
-    print(f"see: nanrunbook check {bundle}")
-    return result.exit_code
 
 
 if __name__ == "__main__":
