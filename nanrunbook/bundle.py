@@ -16,8 +16,7 @@ from .dtypes import DTYPES
 from .errors import EvidenceRejected, Violation, quote
 from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
 from .scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
-from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, open_in_bundle, read_header
-from .tensorfile import _where as file_where  # quoted unless plain: safe on a terminal
+from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, file_where, open_in_bundle, read_header
 
 __all__ = ["CODES", "MANIFEST_MAX_BYTES", "read_manifest_bytes", "verify_bundle"]
 

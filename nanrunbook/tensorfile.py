@@ -32,6 +32,7 @@ __all__ = [
     "HeaderEntry",
     "TensorFileHeader",
     "check_relative_path",
+    "file_where",
     "open_in_bundle",
     "read_header",
 ]
@@ -100,7 +101,7 @@ class TensorFileHeader:
 _PLAIN_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
 
 
-def _where(relpath: str) -> str:
+def file_where(relpath: str) -> str:
     """The relpath as a violation's ``where``; quoted unless it is plain ASCII."""
     return relpath if _PLAIN_PATH.fullmatch(relpath) else quote(relpath)
 
@@ -112,7 +113,7 @@ def check_relative_path(relpath: str) -> list[Violation]:
     components are allowed, as the spec allows them; two spellings of one file are
     recognised as one file when the bundle is read.
     """
-    where = _where(relpath)
+    where = file_where(relpath)
     problems: list[str] = []
     if relpath == "":
         problems.append("the path is empty")
@@ -135,7 +136,7 @@ def check_relative_path(relpath: str) -> list[Violation]:
 
 
 def _reject(code: str, relpath: str, message: str) -> EvidenceRejected:
-    return EvidenceRejected([Violation(code, _where(relpath), message)])
+    return EvidenceRejected([Violation(code, file_where(relpath), message)])
 
 
 def _os_error(relpath: str, err: OSError, doing: str) -> EvidenceRejected:
@@ -329,7 +330,7 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
 
     Raises EvidenceRejected listing every header violation found in the file.
     """
-    where = _where(relpath)
+    where = file_where(relpath)
     shown = quote(relpath)
 
     def fail(code: str, message: str) -> EvidenceRejected:
