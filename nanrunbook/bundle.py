@@ -58,11 +58,15 @@ def read_manifest_bytes(bundle: Path) -> bytes:
     try:
         info = os.stat(bundle)
     except FileNotFoundError:
-        raise _reject("BUNDLE_NOT_FOUND", str(bundle), "no such file or directory") from None
+        raise _reject(
+            "BUNDLE_NOT_FOUND", file_where(str(bundle)), "no such file or directory"
+        ) from None
     except OSError as err:
-        raise _reject("BUNDLE_NOT_FOUND", str(bundle), err.strerror or "cannot stat") from None
+        raise _reject(
+            "BUNDLE_NOT_FOUND", file_where(str(bundle)), err.strerror or "cannot stat"
+        ) from None
     if not stat.S_ISDIR(info.st_mode):
-        raise _reject("BUNDLE_NOT_DIRECTORY", str(bundle), "a bundle is a directory")
+        raise _reject("BUNDLE_NOT_DIRECTORY", file_where(str(bundle)), "a bundle is a directory")
     try:
         fd = open_in_bundle(bundle, MANIFEST_NAME)
     except EvidenceRejected as err:
