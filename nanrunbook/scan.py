@@ -298,23 +298,33 @@ def scan_all(
             return False
         return overlap == "always" or tail
 
-    if count <= 1:
+    def scanner() -> Callable[[ScanJob, bool, Callable[[int], None] | None], TensorScan]:
+        """One worker's scan: its read buffer, and an overlap buffer once needed."""
         buffer = bytearray(size)
         spare: bytearray | None = None
-        for index, job in enumerate(jobs):
-            use = overlapped(job, tail=index == len(jobs) - 1)
+
+        def run(job: ScanJob, tail: bool, on_chunk: Callable[[int], None] | None) -> TensorScan:
+            nonlocal spare
+            use = overlapped(job, tail)
             if use and spare is None:
                 spare = bytearray(size)
+            return scan(
+                job.fd,
+                job.offset,
+                job.length,
+                job.dtype,
+                buffer=buffer,
+                on_chunk=on_chunk,
+                spare=spare if use else None,
+            )
+
+        return run
+
+    if count <= 1:
+        run = scanner()
+        for index, job in enumerate(jobs):
             try:
-                results[index] = scan(
-                    job.fd,
-                    job.offset,
-                    job.length,
-                    job.dtype,
-                    buffer=buffer,
-                    on_chunk=progress,
-                    spare=spare if use else None,
-                )
+                results[index] = run(job, index == len(jobs) - 1, progress)
             except Exception as error:
                 results[index] = error
         return _finished(results)
@@ -334,27 +344,15 @@ def scan_all(
 
     def work() -> None:
         try:
-            buffer = bytearray(size)
-            spare: bytearray | None = None
+            run = scanner()
             while not cancel.is_set():
                 try:
                     index = pending.get_nowait()
                 except queue.Empty:
                     return
-                job = jobs[index]
-                use = overlapped(job, tail=pending.empty())  # nothing left to start
-                if use and spare is None:
-                    spare = bytearray(size)
                 try:
-                    results[index] = scan(
-                        job.fd,
-                        job.offset,
-                        job.length,
-                        job.dtype,
-                        buffer=buffer,
-                        on_chunk=on_chunk,
-                        spare=spare if use else None,
-                    )
+                    # tail: nothing is left to start, so overlap this one.
+                    results[index] = run(jobs[index], pending.empty(), on_chunk)
                 except _Cancelled:
                     return
                 except Exception as error:
