@@ -7,12 +7,12 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_tally import reference, reference_c64
 
 from nanrunbook import scan as scan_module
 from nanrunbook.counting import Tally
@@ -28,34 +28,6 @@ def file_with(content: bytes) -> Iterator[int]:
         handle.write(content)
         handle.flush()
         yield handle.fileno()
-
-
-def reference_f32(arr: np.ndarray[Any, Any]) -> Tally:
-    finite = np.isfinite(arr)
-    return Tally(
-        elements=int(arr.size),
-        finite=int(finite.sum()),
-        nan=int(np.isnan(arr).sum()),
-        posinf=int(np.isposinf(arr).sum()),
-        neginf=int(np.isneginf(arr).sum()),
-        max_abs=float(np.abs(arr[finite]).max()) if finite.any() else None,
-    )
-
-
-def reference_c64(re: np.ndarray[Any, Any], im: np.ndarray[Any, Any]) -> Tally:
-    nan = np.isnan(re) | np.isnan(im)
-    inf = ~nan & (np.isinf(re) | np.isinf(im))
-    negative = np.where(np.isinf(re), np.signbit(re), np.signbit(im))
-    finite = np.isfinite(re) & np.isfinite(im)
-    mags = np.concatenate([np.abs(re[finite]), np.abs(im[finite])]).astype(np.float64)
-    return Tally(
-        elements=int(re.size),
-        finite=int(finite.sum()),
-        nan=int(nan.sum()),
-        posinf=int((inf & ~negative).sum()),
-        neginf=int((inf & negative).sum()),
-        max_abs=float(mags.max()) if mags.size else None,
-    )
 
 
 f32_value = st.one_of(
@@ -77,7 +49,7 @@ def test_small_buffers_match_reference(values: list[float], buffer_size: int) ->
             return
         got = scan_range(fd, len(PREFIX), len(data), "F32", buffer=bytearray(buffer_size))
     assert got.sha256 == hashlib.sha256(data).hexdigest()
-    assert got.tally == reference_f32(arr)
+    assert got.tally == reference(arr)
 
 
 @settings(max_examples=60, deadline=None)
@@ -199,7 +171,7 @@ def test_reads_are_bounded_and_partial_reads_handled(monkeypatch: pytest.MonkeyP
         got = scan_range(fd, len(PREFIX), len(data), "F32", buffer=bytearray(16))
         assert os.lseek(fd, 0, os.SEEK_CUR) == before
     assert max(asked) <= 16
-    assert got.tally == reference_f32(arr)
+    assert got.tally == reference(arr)
     assert got.sha256 == hashlib.sha256(data).hexdigest()
 
 
@@ -245,7 +217,7 @@ def test_sequential_read_hint_on_the_range(monkeypatch: pytest.MonkeyPatch) -> N
     with file_with(PREFIX + data) as fd:
         got = scan_range(fd, len(PREFIX), len(data), "F32")
         scan_range(fd, len(PREFIX), 0, "F32")  # nothing to read, no hint
-    assert got.tally == reference_f32(np.ones(10, dtype="<f4"))
+    assert got.tally == reference(np.ones(10, dtype="<f4"))
     assert hints == [(len(PREFIX), len(data), os.POSIX_FADV_SEQUENTIAL)]
 
 
@@ -267,7 +239,7 @@ def test_overlapped_read_matches_reference(values: list[float], buffer_size: int
             on_chunk=chunks.append,
         )
     assert got.sha256 == hashlib.sha256(data).hexdigest()
-    assert got.tally == reference_f32(arr)
+    assert got.tally == reference(arr)
     assert sum(chunks) == len(data)
 
 
