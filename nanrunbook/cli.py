@@ -7,7 +7,6 @@ error, 3 evidence rejected, 4 internal error, 130 interrupted.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -92,7 +91,9 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:
             # Only output that carries no verdict gets here (help, documents).
-            _silence_stdout()
+            from .verdict import silence
+
+            silence(sys.stdout)
             raise typer.Exit(0) from None
         except Exception as error:
             sys.stderr.write(f"nanrunbook: internal error: {type(error).__name__}: {error}\n")
@@ -140,43 +141,12 @@ def check(
 
     Example: nanrunbook check fixtures/hold-backward-dynamic-skip --format kv
     """
-    from .check import check_bundle
-    from .contract import contract_content_id
-    from .errors import EvidenceRejected
-    from .progress import check_progress
-    from .render import RENDERERS
+    from .verdict import judge
 
     caps = Caps(max_stage_elements, max_bundle_elements, max_stage_tensors)
-    renderer = RENDERERS[format.value]
-    try:
-        # A bar on stderr at a terminal, text format only; erased before the report.
-        with check_progress(format is CheckFormat.text) as progress:
-            report = check_bundle(bundle, caps=caps, progress=progress)
-    except EvidenceRejected as error:
-        rejected = functools.partial(
-            renderer.rejection, error, str(bundle), contract_content_id(caps), sys.stdout
-        )
-        _emit(rejected)
-        raise typer.Exit(EXIT_REJECTED) from None
-    _emit(functools.partial(renderer.report, report, sys.stdout))
-    raise typer.Exit(report.exit_code)
-
-
-def _emit(write: Callable[[], None]) -> None:
-    """Write the verdict; a reader that went away (``| head``, ``grep -q``) must not
-    change the exit code, which is the verdict a CI gate reads."""
-    try:
-        write()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush stays quiet."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    # A progress bar on stderr at a terminal, text format only.
+    code = judge(bundle, format.value, sys.stdout, caps=caps, progress=format is CheckFormat.text)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -54,11 +54,14 @@ class EvidenceRejected(Exception):
         super().__init__(self.message)
 
     @property
-    def message(self) -> str:
-        first = self.violations[0]
+    def summary(self) -> str:
+        """The first violation, and how many more there are."""
         more = len(self.violations) - 1
-        tail = f" (and {more} more)" if more else ""
-        return f"evidence rejected: {first}{tail}"
+        return f"{self.violations[0]}" + (f" (and {more} more)" if more else "")
+
+    @property
+    def message(self) -> str:
+        return f"evidence rejected: {self.summary}"
 
     @property
     def codes(self) -> tuple[str, ...]:

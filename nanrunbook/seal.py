@@ -283,23 +283,12 @@ def seal_command(bundle: Path, *, force: bool, format: str, out: IO[str], err: I
     A refused seal is one line on ``err`` and exit 3. After a seal, its summary
     goes to ``err`` and the check's verdict, in ``format``, to ``out``.
     """
-    from .check import check_bundle
-    from .contract import contract_content_id
-    from .render import RENDERERS
+    from .verdict import judge
 
     try:
         result = seal_bundle(bundle, force=force)
     except EvidenceRejected as error:
-        more = len(error.violations) - 1
-        tail = f" (and {more} more)" if more else ""
-        err.write(f"nanrunbook: seal refused: {error.violations[0]}{tail}\n")
+        err.write(f"nanrunbook: seal refused: {error.summary}\n")
         return error.exit_code
     err.write(f"nanrunbook: {result.summary(str(bundle))}\n")
-    renderer = RENDERERS[format]
-    try:
-        report = check_bundle(bundle)
-    except EvidenceRejected as error:
-        renderer.rejection(error, str(bundle), contract_content_id(), out)
-        return error.exit_code
-    renderer.report(report, out)
-    return report.exit_code
+    return judge(bundle, format, out)

@@ -409,3 +409,21 @@ def test_closed_stdout_keeps_the_verdicts_exit_code(fmt: str, fixture: str, code
         os.close(write_end)
     assert result.returncode == code
     assert "Traceback" not in result.stderr
+
+
+def test_seal_keeps_the_verdicts_exit_code_on_a_closed_stdout(tmp_path: Path) -> None:
+    bundle = copy_fixture(tmp_path, "hold-loss")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [*CLI, "seal", "-f", "kv", str(bundle)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
