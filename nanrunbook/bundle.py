@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dtypes import DTYPES
+from .counting import combine
 from .errors import EvidenceRejected, Violation, quote
 from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
 from .scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
@@ -303,19 +303,11 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         if scan is None:  # not read: a file-level violation is already reported
             findings.append(TensorFinding(entry, None, None))
             continue
-        tally = scan.tally
-        counts = Counts(tally.elements, tally.finite, tally.nan, tally.posinf, tally.neginf)
-        findings.append(TensorFinding(entry, counts, tally.max_abs))
-    complete = all(f.counts is not None for f in findings)
-    if not complete:
+        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs))
+    if any(entry.name not in scans for entry in stage.tensors):
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tuple(findings))
-    counts = _sum_counts([f.counts for f in findings if f.counts is not None])
-    maxima = [
-        f.finite_max_abs
-        for f in findings
-        if f.finite_max_abs is not None and DTYPES[f.entry.dtype].floating
-    ]
-    return StageFinding(stage, counts, "recounted", max(maxima, default=None), tuple(findings))
+    total = combine(scans[entry.name].tally for entry in stage.tensors)
+    return StageFinding(stage, total.counts, "recounted", total.max_abs, tuple(findings))
 
 
 def _compare_recount(declared: Counts | None, finding: StageFinding, path: str) -> list[Violation]:
@@ -336,14 +328,4 @@ def _show(counts: Counts) -> str:
     return (
         f"finite={counts.finite} nan={counts.nan} posinf={counts.posinf} "
         f"neginf={counts.neginf} of {counts.elements}"
-    )
-
-
-def _sum_counts(parts: Sequence[Counts]) -> Counts:
-    return Counts(
-        elements=sum(c.elements for c in parts),
-        finite=sum(c.finite for c in parts),
-        nan=sum(c.nan for c in parts),
-        posinf=sum(c.posinf for c in parts),
-        neginf=sum(c.neginf for c in parts),
     )

@@ -40,7 +40,7 @@ Sub-byte formats (no NaN or infinity encodings, every element finite):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import DTYPES
+from .model import Counts
 
 __all__ = ["Counter", "Tally", "tally_bytes"]
 
@@ -71,6 +72,25 @@ class Tally:
     @property
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
+
+    @property
+    def counts(self) -> Counts:
+        return Counts(self.elements, self.finite, self.nan, self.posinf, self.neginf)
+
+
+def combine(tallies: Iterable[Tally]) -> Tally:
+    """One tally for several tensors (a stage): counts add up, ``max_abs`` is the
+    largest finite magnitude among them (None when none has one)."""
+    parts = list(tallies)
+    maxima = [t.max_abs for t in parts if t.max_abs is not None]
+    return Tally(
+        elements=sum(t.elements for t in parts),
+        finite=sum(t.finite for t in parts),
+        nan=sum(t.nan for t in parts),
+        posinf=sum(t.posinf for t in parts),
+        neginf=sum(t.neginf for t in parts),
+        max_abs=max(maxima) if maxima else None,
+    )
 
 
 def _minifloat_magnitudes(exp_bits: int, man_bits: int, bias: int, count: int) -> tuple[float, ...]:

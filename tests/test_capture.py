@@ -3,6 +3,7 @@ refusing what the check rejects with the check's own codes."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -448,13 +449,9 @@ def test_recount_rejection_from_the_full_check_leaves_nothing(
     caught by the check the writer runs on the finished temporary bundle."""
     w = finite_writer()
     captured = w._tensors[0]
-    w._tensors[0] = type(captured)(
-        captured.name,
-        RawTensor("F32", captured.tensor.shape, np.full(4, np.nan, "float32").tobytes()),
-        captured.probe,
-        captured.sha256,
-        captured.counts,
-        captured.finite_max_abs,
+    w._tensors[0] = dataclasses.replace(
+        captured,
+        tensor=RawTensor("F32", captured.tensor.shape, np.full(4, np.nan, "float32").tobytes()),
     )
     with pytest.raises(EvidenceRejected) as refused:
         w.write(tmp_path / "bundle")

@@ -24,8 +24,7 @@ from typing import Any
 from ..atomic import atomic_directory, write_synced
 from ..content_id import EVIDENCE_ID_KEY, evidence_content_id
 from ..contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
-from ..counting import tally_bytes
-from ..dtypes import DTYPES
+from ..counting import combine, tally_bytes
 from ..errors import EvidenceRejected, Violation
 from ..manifest import RECOVERY_PARTS
 from ..model import STAGE_ORDER, Counts
@@ -104,8 +103,6 @@ class _Captured:
     tensor: RawTensor
     probe: str
     sha256: str
-    counts: Counts
-    finite_max_abs: float | None
 
 
 class BundleWriter:
@@ -189,27 +186,13 @@ class BundleWriter:
             stage, "OBSERVED", owner, probe_source, telemetry_id, tensor_set_id, gradients
         )
         captured: list[_Captured] = []
+        tallies = []
         for name, value, probe in tensors:
             raw = as_raw(value)
             tally = tally_bytes(raw.dtype, raw.data)
-            counts = Counts(tally.elements, tally.finite, tally.nan, tally.posinf, tally.neginf)
-            captured.append(
-                _Captured(
-                    name, raw, probe, hashlib.sha256(raw.data).hexdigest(), counts, tally.max_abs
-                )
-            )
-        total = Counts(
-            elements=sum(c.counts.elements for c in captured),
-            finite=sum(c.counts.finite for c in captured),
-            nan=sum(c.counts.nan for c in captured),
-            posinf=sum(c.counts.posinf for c in captured),
-            neginf=sum(c.counts.neginf for c in captured),
-        )
-        maxima = [
-            c.finite_max_abs
-            for c in captured
-            if c.finite_max_abs is not None and DTYPES[c.tensor.dtype].floating
-        ]
+            tallies.append(tally)
+            captured.append(_Captured(name, raw, probe, hashlib.sha256(raw.data).hexdigest()))
+        total = combine(tallies)
         record.update(
             resolution="complete",
             tensors=[
@@ -223,12 +206,12 @@ class BundleWriter:
                 }
                 for c in captured
             ],
-            counts=total.as_dict(),
-            finite_max_abs=max(maxima) if maxima else None,
+            counts=total.counts.as_dict(),
+            finite_max_abs=total.max_abs,
         )
         self._stages.append(record)
         self._tensors.extend(captured)
-        return total
+        return total.counts
 
     def summarize(
         self,
@@ -315,15 +298,19 @@ class BundleWriter:
         Raises EvidenceRejected with the check's codes for every rule a manifest
         alone can break (fields, identifiers, transitions, counts, scaler, caps).
         """
+        self._validated_manifest(caps)
+
+    def _validated_manifest(self, caps: Caps | None) -> dict[str, Any]:
         import orjson
 
         from ..manifest import parse_manifest
         from ..strictjson import load_manifest_bytes
 
-        tree = load_manifest_bytes(orjson.dumps(self.manifest()))
-        _, violations = parse_manifest(tree, caps)
+        manifest = self.manifest()
+        _, violations = parse_manifest(load_manifest_bytes(orjson.dumps(manifest)), caps)
         if violations:
             raise EvidenceRejected(violations)
+        return manifest
 
     def write(
         self, target: str | Path, *, overwrite: bool = False, caps: Caps | None = None
@@ -352,8 +339,7 @@ class BundleWriter:
                 raise FileExistsError(
                     f"{target} exists and has no {MANIFEST_FILE}; refusing to replace it"
                 )
-        self.validate(caps=caps)
-        manifest = self.manifest()
+        manifest = self._validated_manifest(caps)
         with atomic_directory(target, overwrite=overwrite) as temp:
             if self._tensors:
                 write_synced(
