@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from bundlegen import ensure_bundle, parse_size, tensor_files  # noqa: E402
 
-from nanrunbook.scan import CHUNK_SIZE, ScanJob, scan_all  # noqa: E402
-from nanrunbook.tensorfile import read_header  # noqa: E402
+from nanrunbook.tensors.safetensors import read_header  # noqa: E402
+from nanrunbook.tensors.scan import CHUNK_SIZE, ScanJob, scan_all  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -133,7 +133,7 @@ def _slabs(spec: Spec, rng: np.random.Generator) -> Iterator[bytes]:
 
 
 def _write_file(path: Path, specs: list[Spec], rng: np.random.Generator) -> list[dict[str, Any]]:
-    from nanrunbook.counting import Counter
+    from nanrunbook.tensors.counting import Counter
 
     header: dict[str, Any] = {}
     offset = 0
@@ -200,7 +200,7 @@ def generate(target: Path, size: int, seed: int = 0) -> None:
     """Write the bundle for ``size`` bytes into ``target`` (which must not exist)."""
     import numpy as np
 
-    from nanrunbook.content_id import EVIDENCE_ID_KEY, evidence_content_id
+    from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
 
     temp = target.with_name(target.name + ".partial")
     shutil.rmtree(temp, ignore_errors=True)

@@ -18,25 +18,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from nanrunbook._version import __version__
 
 if TYPE_CHECKING:
-    from .check import check_bundle
-    from .contract import Caps, contract_content_id, contract_document
-    from .decision import decide
-    from .errors import EvidenceRejected, Violation
-    from .report import Report, report_document
+    from nanrunbook.check import check_bundle
+    from nanrunbook.contract import Caps, contract_content_id, contract_document
+    from nanrunbook.errors import EvidenceRejected, Violation
+    from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
     "check_bundle": ".check",
     "Caps": ".contract",
     "contract_content_id": ".contract",
     "contract_document": ".contract",
-    "decide": ".decision",
+    "decide": ".verdict.decision",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
-    "Report": ".report",
-    "report_document": ".report",
+    "Report": ".verdict.report",
+    "report_document": ".verdict.report",
 }
 
 __all__ = [

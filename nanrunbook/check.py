@@ -9,16 +9,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .bundle import Progress, read_manifest_bytes, verify_bundle
-from .content_id import evidence_content_id
-from .contract import Caps, contract_content_id
-from .decision import decide
-from .errors import EvidenceRejected, Violation
-from .manifest import parse_manifest
-from .report import Report
-from .rules import scaler_stage_violations
-from .runbook import checklist
-from .strictjson import load_manifest_bytes
+from nanrunbook.access import read_manifest_bytes
+from nanrunbook.contract import Caps, contract_content_id
+from nanrunbook.errors import EvidenceRejected, Violation
+from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.manifest.parse import parse_manifest
+from nanrunbook.manifest.rules import scaler_stage_violations
+from nanrunbook.strictjson import load_manifest_bytes
+from nanrunbook.tensors.verify import Progress, verify_bundle
+from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.report import Report
+from nanrunbook.verdict.runbook import checklist
 
 __all__ = ["check_bundle"]
 
@@ -31,7 +32,7 @@ def check_bundle(
 ) -> Report:
     """Check the evidence bundle at ``path``.
 
-    Returns a :class:`~nanrunbook.report.Report` (HOLD or CONTINUE) or raises
+    Returns a :class:`~nanrunbook.verdict.report.Report` (HOLD or CONTINUE) or raises
     :class:`~nanrunbook.errors.EvidenceRejected` listing every violation found.
     Never writes. ``progress``, if given, is called with each tensor's byte count
     as it is read.

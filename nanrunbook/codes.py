@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from . import bundle, decision, fields, manifest, rules, seal, strictjson, tensorfile
+from nanrunbook import access, strictjson
+from nanrunbook.capture import seal
+from nanrunbook.manifest import fields, parse, rules
+from nanrunbook.tensors import safetensors, verify
+from nanrunbook.verdict import decision
 
 __all__ = ["CODES"]
 
 
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
-    for module in (strictjson, fields, manifest, rules, tensorfile, bundle, decision, seal):
+    for module in (strictjson, fields, parse, rules, access, safetensors, verify, decision, seal):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

@@ -13,7 +13,7 @@ from typing import Any
 
 import rfc8785
 
-from .model import STAGE_ORDER
+from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
     "ACTIONS",

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EvidenceRejected, Violation, quote
+from nanrunbook.errors import EvidenceRejected, Violation, quote
 
 __all__ = [
     "CODES",

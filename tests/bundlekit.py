@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from nanrunbook.content_id import evidence_content_id
+from nanrunbook.manifest.content_id import evidence_content_id
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TENSOR_FILE = "tensors.safetensors"

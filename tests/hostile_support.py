@@ -10,7 +10,7 @@
   shared by ``tests/test_hostile_cases.py`` and ``fuzz/measure_cases.py``.
 
 Nothing here imports nanrunbook's rule modules; the only nanrunbook name used is
-``nanrunbook.content_id.evidence_content_id``, to reseal.
+``nanrunbook.manifest.content_id.evidence_content_id``, to reseal.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanrunbook.content_id import evidence_content_id
+from nanrunbook.manifest.content_id import evidence_content_id
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -520,7 +520,7 @@ def case_header_many_tensors_under_bound(tmp: Path) -> Path:
     """As many zero-length tensors as fit in the header bound a 10-entry file gets
     (HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY per bound entry): the largest
     header that is parsed."""
-    from nanrunbook.bundle import HEADER_BASE_BYTES, HEADER_BYTES_PER_ENTRY
+    from nanrunbook.tensors.verify import HEADER_BASE_BYTES, HEADER_BYTES_PER_ENTRY
 
     bound = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * 10
     count = bound // 56 - 1

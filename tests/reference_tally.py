@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from nanrunbook.counting import Tally
+from nanrunbook.tensors.counting import Tally
 
 
 def reference(values: np.ndarray[Any, Any]) -> Tally:

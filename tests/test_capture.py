@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 from fixtures_support import OWNER, binding, finite_writer
 
-import nanrunbook.atomic as atomic
+import nanrunbook.capture.atomic as atomic
 import nanrunbook.capture.writer as writer_module
 from nanrunbook import Caps, EvidenceRejected, check_bundle
 from nanrunbook.capture import BundleWriter, RawTensor, as_raw
 from nanrunbook.capture.writer import NUMPY_DTYPES
-from nanrunbook.content_id import evidence_content_id
-from nanrunbook.model import Counts
-from nanrunbook.tensorwriter import safetensors_chunks
+from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.records import Counts
+from nanrunbook.tensors.safetensors_write import safetensors_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("input", "forward", "loss", "backward", "optimizer")

@@ -18,7 +18,7 @@ from torch import nn
 from nanrunbook import check_bundle
 from nanrunbook.capture import BundleWriter, as_raw
 from nanrunbook.capture.torch import TORCH_DTYPES, replay_step, tensor_to_raw
-from nanrunbook.model import Counts
+from nanrunbook.records import Counts
 
 BINDING: dict[str, dict[str, Any]] = {
     "checkpoint": {"id": "ckpt-100"},

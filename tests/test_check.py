@@ -19,8 +19,8 @@ import nanrunbook
 from nanrunbook import EvidenceRejected, check_bundle, decide
 from nanrunbook.capture import BundleWriter
 from nanrunbook.contract import ACTIONS, contract_content_id
-from nanrunbook.model import Counts
-from nanrunbook.render import RENDERERS, TextRenderer, kv_where
+from nanrunbook.output.renderers import RENDERERS, TextRenderer, kv_where
+from nanrunbook.records import Counts
 
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 HOLD_FIXTURE = FIXTURES / "hold-backward-dynamic-skip"

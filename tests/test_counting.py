@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_tally import reference, reference_c64
 
-from nanrunbook.counting import Counter, Tally, tally_bytes
 from nanrunbook.dtypes import DTYPES
+from nanrunbook.tensors.counting import Counter, Tally, tally_bytes
 
 # dtype -> (numpy/ml_dtypes scalar type, bytes per element) for formats whose
 # every bit pattern fits a test table.

@@ -26,9 +26,9 @@ from nanrunbook import EvidenceRejected, check_bundle, report_document
 from nanrunbook._version import __version__
 from nanrunbook.cli import app
 from nanrunbook.codes import CODES
-from nanrunbook.content_id import evidence_content_id
 from nanrunbook.contract import contract_content_id, contract_document
-from nanrunbook.report import rejection_document
+from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.verdict.report import rejection_document
 
 ROOT = Path(__file__).resolve().parent.parent
 MAN1 = ROOT / "man" / "nanrunbook.1"

@@ -245,9 +245,9 @@ def bundle(tmp_path: Path) -> Path:
 
 
 def _patch_scan(monkeypatch: pytest.MonkeyPatch, after_first: Callable[[int], None]) -> None:
-    import nanrunbook.bundle
+    import nanrunbook.tensors.verify
 
-    real = nanrunbook.bundle.scan_range
+    real = nanrunbook.tensors.verify.scan_range
     calls = [0]
 
     def scan(fd: int, *args: Any, **kwargs: Any) -> Any:
@@ -256,7 +256,7 @@ def _patch_scan(monkeypatch: pytest.MonkeyPatch, after_first: Callable[[int], No
             after_first(fd)
         return real(fd, *args, **kwargs)
 
-    monkeypatch.setattr(nanrunbook.bundle, "scan_range", scan)
+    monkeypatch.setattr(nanrunbook.tensors.verify, "scan_range", scan)
 
 
 def test_tensor_file_shrinks_while_it_is_read(
@@ -283,9 +283,9 @@ def test_tensor_file_grows_while_it_is_read(bundle: Path, monkeypatch: pytest.Mo
 def test_tensor_file_truncated_between_header_and_data(
     bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nanrunbook.bundle
+    import nanrunbook.tensors.verify
 
-    real = nanrunbook.bundle.read_header
+    real = nanrunbook.tensors.verify.read_header
     path = bundle / TENSOR_FILE
 
     def read_then_truncate(fd: int, *args: Any, **kwargs: Any) -> Any:
@@ -293,7 +293,7 @@ def test_tensor_file_truncated_between_header_and_data(
         os.truncate(path, header.data_start)  # every byte of data gone
         return header
 
-    monkeypatch.setattr(nanrunbook.bundle, "read_header", read_then_truncate)
+    monkeypatch.setattr(nanrunbook.tensors.verify, "read_header", read_then_truncate)
     assert rejected(bundle, unchanged=False) == ["FILE_CHANGED"]
 
 
@@ -450,7 +450,7 @@ def test_rich_console_forced_to_a_terminal_prints_markup_literally(
 
     import rich.console
 
-    from nanrunbook.render import RENDERERS
+    from nanrunbook.output.renderers import RENDERERS
 
     real_init = rich.console.Console.__init__
 

@@ -1347,7 +1347,7 @@ def assert_text_safe(text: str) -> None:
 
 def render_all(outcome: Any, bundle: str) -> dict[str, str]:
     from nanrunbook import EvidenceRejected, contract_content_id
-    from nanrunbook.render import RENDERERS
+    from nanrunbook.output.renderers import RENDERERS
 
     out = {}
     for name, renderer in RENDERERS.items():
@@ -1488,7 +1488,7 @@ def test_cli_on_mutant_answers_0_1_or_3_cleanly(workdir: Path, mutant: Any, fmt:
     )
 )
 def test_kv_where_is_shell_safe_for_any_path(where: str) -> None:
-    from nanrunbook.render import kv_where
+    from nanrunbook.output.renderers import kv_where
 
     CASES_RUN["kv_where"] += 1
     line = f"violation=SOME_CODE {kv_where(where)}"

@@ -34,15 +34,15 @@ from fixtures_support import OWNER, binding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanrunbook.bundle import verify_bundle
 from nanrunbook.capture import BundleWriter, RawTensor
 from nanrunbook.contract import Caps
-from nanrunbook.counting import tally_bytes
 from nanrunbook.errors import Violation
-from nanrunbook.manifest import parse_manifest
-from nanrunbook.model import StageFinding
-from nanrunbook.scan import CHUNK_SIZE, ScanJob, ShortRead, TensorScan, scan_all, scan_range
+from nanrunbook.manifest.parse import parse_manifest
+from nanrunbook.records import StageFinding
 from nanrunbook.strictjson import load_manifest_bytes
+from nanrunbook.tensors.counting import tally_bytes
+from nanrunbook.tensors.scan import CHUNK_SIZE, ScanJob, ShortRead, TensorScan, scan_all, scan_range
+from nanrunbook.tensors.verify import verify_bundle
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "C64": 8}
@@ -372,7 +372,7 @@ def test_digest_mismatches_reported_in_manifest_order(tmp_path: Path) -> None:
 def test_short_read_in_one_file_same_as_one_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nanrunbook.bundle as bundle_module
+    import nanrunbook.tensors.verify as bundle_module
 
     bundle = copy_fixture(tmp_path)
     manifest = load(bundle)
@@ -423,7 +423,7 @@ def test_short_read_in_one_file_same_as_one_thread(
 def test_read_errors_handled_as_one_thread_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nanrunbook.bundle as bundle_module
+    import nanrunbook.tensors.verify as bundle_module
 
     bundle = big_writer(tmp_path)
     error: Exception = OSError(5, "Input/output error")
@@ -571,7 +571,7 @@ def test_progress_bar_on_a_terminal_in_text_format_only(tmp_path: Path) -> None:
 
 
 def test_progress_sink_only_for_text_at_a_terminal() -> None:
-    from nanrunbook.progress import ByteProgress, check_progress
+    from nanrunbook.output.progress import ByteProgress, check_progress
 
     leader, follower = pty.openpty()
     try:
@@ -588,7 +588,7 @@ def test_progress_sink_only_for_text_at_a_terminal() -> None:
 
 
 def test_progress_sink_shows_after_its_delay_and_erases() -> None:
-    from nanrunbook.progress import ByteProgress
+    from nanrunbook.output.progress import ByteProgress
 
     leader, follower = pty.openpty()
     try:
@@ -620,7 +620,7 @@ def test_no_progress_bar_for_a_quick_check() -> None:
 
 
 def test_default_workers_follow_the_cores_within_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nanrunbook import scan as scan_module
+    from nanrunbook.tensors import scan as scan_module
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
     assert scan_module.default_workers() == 3

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_tally import reference, reference_c64
 
-from nanrunbook import scan as scan_module
-from nanrunbook.counting import Tally
-from nanrunbook.scan import CHUNK_SIZE, ShortRead, scan_range
+from nanrunbook.tensors import scan as scan_module
+from nanrunbook.tensors.counting import Tally
+from nanrunbook.tensors.scan import CHUNK_SIZE, ShortRead, scan_range
 
 PREFIX = b"\xffHEADER-AND-OTHER-TENSORS\x7f"
 SUFFIX = b"\x00\x80TRAILING"

@@ -24,8 +24,8 @@ from nanrunbook import EvidenceRejected, check_bundle
 from nanrunbook.capture import BundleWriter
 from nanrunbook.cli import app
 from nanrunbook.codes import CODES
-from nanrunbook.content_id import evidence_content_id
-from nanrunbook.schema import PARTIAL_CODES, SCHEMA_CODES, manifest_schema
+from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.manifest.schema import PARTIAL_CODES, SCHEMA_CODES, manifest_schema
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_bytes())

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from bundlekit import FIXTURES, copy_fixture, load, read_tensor_file, save, write_tensor_file
 
-import nanrunbook.atomic
-import nanrunbook.seal as seal_module
+import nanrunbook.capture.atomic
+import nanrunbook.capture.seal as seal_module
 from nanrunbook import EvidenceRejected, check_bundle
+from nanrunbook.capture.seal import seal_bundle, seal_command
 from nanrunbook.codes import CODES
-from nanrunbook.content_id import evidence_content_id
-from nanrunbook.seal import seal_bundle, seal_command
+from nanrunbook.manifest.content_id import evidence_content_id
 
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 VALID = sorted(name for name, e in EXPECTED.items() if e["exit"] != 3)
@@ -329,7 +329,7 @@ def test_failed_rewrite_leaves_the_manifest_and_no_temporary(
     def no_space(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(nanrunbook.atomic.os, "replace", no_space)
+    monkeypatch.setattr(nanrunbook.capture.atomic.os, "replace", no_space)
     with pytest.raises(OSError):
         seal_bundle(bundle)
     assert (bundle / "manifest.json").read_bytes() == raw

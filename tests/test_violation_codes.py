@@ -478,7 +478,7 @@ def _(tmp, mp):
 
 @case("FILE_UNREADABLE")
 def _(tmp, mp):
-    import nanrunbook.tensorfile as tensorfile
+    import nanrunbook.tensors.safetensors as tensorfile
 
     real_open = os.open
 
@@ -610,8 +610,8 @@ def _(tmp, mp):
 
 @case("FILE_CHANGED")
 def _(tmp, mp):
-    import nanrunbook.bundle as bundle_module
-    from nanrunbook.scan import ShortRead
+    import nanrunbook.tensors.verify as bundle_module
+    from nanrunbook.tensors.scan import ShortRead
 
     def shrunk(*args: Any, **kwargs: Any) -> Any:
         raise ShortRead(0, 4, 0)

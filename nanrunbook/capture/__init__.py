@@ -6,6 +6,6 @@
 copies and captures its five boundaries.
 """
 
-from .writer import BundleWriter, RawTensor, as_raw
+from nanrunbook.capture.writer import BundleWriter, RawTensor, as_raw
 
 __all__ = ["BundleWriter", "RawTensor", "as_raw"]

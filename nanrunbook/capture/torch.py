@@ -4,7 +4,7 @@ Needs the optional extra ``nanrunbook[torch]``; torch is imported only here.
 
 * :func:`tensor_to_raw` turns a tensor of any device and any dtype safetensors
   names (bool, integers, F16/BF16/F32/F64, C64, the float8 variants and packed
-  ``float4_e2m1fn_x2``) into :class:`~nanrunbook.tensorwriter.RawTensor` bytes.
+  ``float4_e2m1fn_x2``) into :class:`~nanrunbook.tensors.safetensors_write.RawTensor` bytes.
 * :func:`replay_step` runs one training step on deep copies of the model, the
   optimizer and the GradScaler, so the real run's state is untouched ("reproduce
   without an update"), and captures its five boundaries into a
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..manifest import BINDING_ITEMS
-from ..tensorwriter import RawTensor
-from .writer import NUMPY_DTYPES, BundleWriter
+from nanrunbook.capture.writer import NUMPY_DTYPES, BundleWriter
+from nanrunbook.manifest.parse import BINDING_ITEMS
+from nanrunbook.tensors.safetensors_write import RawTensor
 
 __all__ = ["TORCH_DTYPES", "replay_step", "tensor_to_raw"]
 

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_directory, write_synced
-from ..content_id import EVIDENCE_ID_KEY, evidence_content_id
-from ..contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
-from ..counting import combine, tally_bytes
-from ..errors import EvidenceRejected, Violation
-from ..manifest import RECOVERY_PARTS
-from ..model import STAGE_ORDER, Counts
-from ..strictjson import MAX_SAFE_INTEGER, child_path
-from ..tensorwriter import RawTensor, safetensors_chunks
+from nanrunbook.capture.atomic import atomic_directory, write_synced
+from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
+from nanrunbook.errors import EvidenceRejected, Violation
+from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
+from nanrunbook.manifest.parse import RECOVERY_PARTS
+from nanrunbook.records import STAGE_ORDER, Counts
+from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path
+from nanrunbook.tensors.counting import combine, tally_bytes
+from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
 __all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw"]
 
@@ -72,7 +72,7 @@ def as_raw(value: Any) -> RawTensor:
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        from .torch import tensor_to_raw
+        from nanrunbook.capture.torch import tensor_to_raw
 
         return tensor_to_raw(value)
     import numpy as np
@@ -303,8 +303,8 @@ class BundleWriter:
     def _validated_manifest(self, caps: Caps | None) -> dict[str, Any]:
         import orjson
 
-        from ..manifest import parse_manifest
-        from ..strictjson import load_manifest_bytes
+        from nanrunbook.manifest.parse import parse_manifest
+        from nanrunbook.strictjson import load_manifest_bytes
 
         manifest = self.manifest()
         _, violations = parse_manifest(load_manifest_bytes(orjson.dumps(manifest)), caps)
@@ -329,7 +329,7 @@ class BundleWriter:
         """
         import orjson
 
-        from ..check import check_bundle
+        from nanrunbook.check import check_bundle
 
         target = Path(target)
         if overwrite and (target.exists() or target.is_symlink()):

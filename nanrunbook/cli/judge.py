@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from .contract import Caps
+from nanrunbook.contract import Caps
 
 __all__ = ["judge", "silence"]
 
@@ -24,11 +24,11 @@ def judge(
     """Check ``bundle``, write the report or rejection in ``fmt`` to ``out``, and
     return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
     it is erased before anything is written to ``out``."""
-    from .check import check_bundle
-    from .contract import contract_content_id
-    from .errors import EvidenceRejected
-    from .progress import check_progress
-    from .render import RENDERERS
+    from nanrunbook.check import check_bundle
+    from nanrunbook.contract import contract_content_id
+    from nanrunbook.errors import EvidenceRejected
+    from nanrunbook.output.progress import check_progress
+    from nanrunbook.output.renderers import RENDERERS
 
     renderer = RENDERERS[fmt]
     try:

@@ -7,21 +7,26 @@ bounded chunks; no path leaves the bundle directory (see ``tensorfile``).
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .counting import combine
-from .errors import EvidenceRejected, Violation, quote
-from .model import Counts, Manifest, StageFinding, StageRecord, TensorEntry, TensorFinding
-from .scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
-from .tensorfile import MAX_HEADER_LEN, TensorFileHeader, file_where, open_in_bundle, read_header
+from nanrunbook.access import file_where, open_in_bundle
+from nanrunbook.errors import EvidenceRejected, Violation, quote
+from nanrunbook.records import (
+    Counts,
+    Manifest,
+    StageFinding,
+    StageRecord,
+    TensorEntry,
+    TensorFinding,
+)
+from nanrunbook.tensors.counting import combine
+from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
+from nanrunbook.tensors.scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 
-__all__ = ["CODES", "MANIFEST_MAX_BYTES", "read_manifest_bytes", "verify_bundle"]
+__all__ = ["CODES", "Progress", "verify_bundle"]
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 # A header holds at most the entries the manifest binds to its file; this much per
 # entry is far more than any writer needs, and the base leaves room for __metadata__.
 # Parsing JSON costs some 20 bytes of memory per byte: 4 MiB keeps the worst
@@ -30,11 +35,6 @@ HEADER_BASE_BYTES = 4 * 1024 * 1024
 HEADER_BYTES_PER_ENTRY = 4096
 
 CODES = {
-    "BUNDLE_NOT_FOUND": "the bundle path does not exist",
-    "BUNDLE_NOT_DIRECTORY": "the bundle path is not a directory",
-    "MANIFEST_MISSING": "the bundle has no manifest.json",
-    "MANIFEST_UNREADABLE": "manifest.json cannot be read, or is not a regular file",
-    "MANIFEST_TOO_LARGE": "manifest.json is larger than 16 MiB",
     "TENSOR_NOT_IN_FILE": "a manifest entry names a tensor its file does not hold",
     "TENSOR_UNBOUND": "a tensor file holds a tensor no manifest entry binds",
     "TENSOR_DTYPE_MISMATCH": "an entry's dtype differs from its file header",
@@ -51,46 +51,6 @@ Progress = Callable[[int], None]
 
 def _reject(code: str, where: str, message: str) -> EvidenceRejected:
     return EvidenceRejected([Violation(code, where, message)])
-
-
-def read_manifest_bytes(bundle: Path) -> bytes:
-    """The manifest's bytes, refusing anything but a bounded regular file."""
-    try:
-        info = os.stat(bundle)
-    except FileNotFoundError:
-        raise _reject(
-            "BUNDLE_NOT_FOUND", file_where(str(bundle)), "no such file or directory"
-        ) from None
-    except OSError as err:
-        raise _reject(
-            "BUNDLE_NOT_FOUND", file_where(str(bundle)), err.strerror or "cannot stat"
-        ) from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise _reject("BUNDLE_NOT_DIRECTORY", file_where(str(bundle)), "a bundle is a directory")
-    try:
-        fd = open_in_bundle(bundle, MANIFEST_NAME)
-    except EvidenceRejected as err:
-        code = "MANIFEST_MISSING" if err.codes == ("FILE_MISSING",) else "MANIFEST_UNREADABLE"
-        raise _reject(code, MANIFEST_NAME, err.violations[0].message) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > MANIFEST_MAX_BYTES:
-            raise _reject("MANIFEST_TOO_LARGE", MANIFEST_NAME, f"{size} bytes, limit 16 MiB")
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > MANIFEST_MAX_BYTES:  # it grew while read
-                raise _reject("MANIFEST_TOO_LARGE", MANIFEST_NAME, "larger than 16 MiB")
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError as err:
-        raise _reject("MANIFEST_UNREADABLE", MANIFEST_NAME, err.strerror or "read failed") from None
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)

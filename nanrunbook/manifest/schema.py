@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .contract import BUNDLE_FORMAT, CONTRACT_VERSION
-from .dtypes import DTYPES
-from .fields import IDENTIFIER, MAX_FREE_TEXT, MAX_TENSOR_NAME
-from .manifest import (
+from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.manifest.fields import IDENTIFIER, MAX_FREE_TEXT, MAX_TENSOR_NAME
+from nanrunbook.manifest.parse import (
     BINDING_ITEMS,
     DYNAMIC_FIELDS,
     GRADIENT_FORMS,
@@ -32,9 +32,9 @@ from .manifest import (
     TOP_LEVEL_FIELDS,
     TYPED_FIELDS,
 )
-from .model import STAGE_ORDER
-from .rules import SCALE_MAX, SCALE_MIN
-from .strictjson import MAX_SAFE_INTEGER
+from nanrunbook.manifest.rules import SCALE_MAX, SCALE_MIN
+from nanrunbook.records import STAGE_ORDER
+from nanrunbook.strictjson import MAX_SAFE_INTEGER
 
 __all__ = ["DIALECT", "PARTIAL_CODES", "SCHEMA_CODES", "manifest_schema"]
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from .counting import Counter, Tally
+from nanrunbook.tensors.counting import Counter, Tally
 
 __all__ = [
     "CHUNK_SIZE",

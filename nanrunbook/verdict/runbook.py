@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import STAGE_ORDER
+from nanrunbook.records import STAGE_ORDER
 
 __all__ = ["SECTIONS", "STAGE_STEPS", "Section", "Step", "checklist"]
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .atomic import atomic_write
-from .bundle import MANIFEST_NAME, read_manifest_bytes
-from .content_id import EVIDENCE_ID_KEY, evidence_content_id
-from .errors import EvidenceRejected, Violation, quote
-from .scan import ShortRead, scan_range
-from .strictjson import child_path, load_manifest_bytes
-from .tensorfile import TensorFileHeader, open_in_bundle, read_header
+from nanrunbook.access import MANIFEST_NAME, open_in_bundle, read_manifest_bytes
+from nanrunbook.capture.atomic import atomic_write
+from nanrunbook.errors import EvidenceRejected, Violation, quote
+from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
+from nanrunbook.strictjson import child_path, load_manifest_bytes
+from nanrunbook.tensors.safetensors import TensorFileHeader, read_header
+from nanrunbook.tensors.scan import ShortRead, scan_range
 
 __all__ = ["CODES", "SealResult", "seal_bundle", "seal_command"]
 
@@ -283,7 +283,7 @@ def seal_command(bundle: Path, *, force: bool, format: str, out: IO[str], err: I
     A refused seal is one line on ``err`` and exit 3. After a seal, its summary
     goes to ``err`` and the check's verdict, in ``format``, to ``out``.
     """
-    from .verdict import judge
+    from nanrunbook.cli.judge import judge
 
     try:
         result = seal_bundle(bundle, force=force)

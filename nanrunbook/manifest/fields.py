@@ -11,8 +11,8 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from .errors import Violation, quote
-from .strictjson import child_path
+from nanrunbook.errors import Violation, quote
+from nanrunbook.strictjson import child_path
 
 __all__ = ["CODES", "IDENTIFIER", "Fields", "Sink"]
 

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import DTYPES
-from .model import Counts
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.records import Counts
 
 __all__ = ["Counter", "Tally", "tally_bytes"]
 

@@ -11,11 +11,11 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from .contract import Caps
-from .dtypes import DTYPES
-from .errors import Violation, quote
-from .fields import is_integer
-from .model import STAGE_ORDER, Counts, Scaler, StageRecord
+from nanrunbook.contract import Caps
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.errors import Violation, quote
+from nanrunbook.manifest.fields import is_integer
+from nanrunbook.records import STAGE_ORDER, Counts, Scaler, StageRecord
 
 __all__ = [
     "CODES",

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .contract import ACTIONS, CONTINUE, HOLD, NO_NONFINITE_ACTION, ROOT_CAUSE_CLAIM
-from .errors import EvidenceRejected, Violation
-from .model import Counts, Decision, StageFinding, StageRecord, TensorFinding
-from .rules import counts_violations, sequence_violations
+from nanrunbook.contract import ACTIONS, CONTINUE, HOLD, NO_NONFINITE_ACTION, ROOT_CAUSE_CLAIM
+from nanrunbook.errors import EvidenceRejected, Violation
+from nanrunbook.manifest.rules import counts_violations, sequence_violations
+from nanrunbook.records import Counts, Decision, StageFinding, StageRecord, TensorFinding
 
 __all__ = ["CODES", "decide", "finding_violations"]
 

@@ -15,8 +15,8 @@ from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 
-from ._version import __version__
-from .contract import Caps
+from nanrunbook._version import __version__
+from nanrunbook.contract import Caps
 
 EXIT_USAGE = 2
 EXIT_REJECTED = 3
@@ -91,7 +91,7 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:
             # Only output that carries no verdict gets here (help, documents).
-            from .verdict import silence
+            from nanrunbook.cli.judge import silence
 
             silence(sys.stdout)
             raise typer.Exit(0) from None
@@ -141,7 +141,7 @@ def check(
 
     Example: nanrunbook check fixtures/hold-backward-dynamic-skip --format kv
     """
-    from .verdict import judge
+    from nanrunbook.cli.judge import judge
 
     caps = Caps(max_stage_elements, max_bundle_elements, max_stage_tensors)
     # A progress bar on stderr at a terminal, text format only.
@@ -165,7 +165,7 @@ def contract(
     """
     import orjson
 
-    from .contract import contract_content_id, contract_document
+    from nanrunbook.contract import contract_content_id, contract_document
 
     caps = Caps(max_stage_elements, max_bundle_elements, max_stage_tensors)
     document = contract_document(caps)
@@ -202,8 +202,8 @@ def checklist(
 
     Example: nanrunbook checklist --stage backward
     """
-    from .render import render_checklist
-    from .runbook import checklist as build
+    from nanrunbook.output.renderers import render_checklist
+    from nanrunbook.verdict.runbook import checklist as build
 
     render_checklist(build(stage.value if stage else None), format.value, sys.stdout)
 
@@ -217,7 +217,7 @@ def schema() -> None:
     """
     import orjson
 
-    from .schema import manifest_schema
+    from nanrunbook.manifest.schema import manifest_schema
 
     sys.stdout.write(orjson.dumps(manifest_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
 
@@ -240,7 +240,7 @@ def seal(
 
     Example: nanrunbook seal bundle/ --format kv
     """
-    from .seal import seal_command
+    from nanrunbook.capture.seal import seal_command
 
     raise typer.Exit(
         seal_command(bundle, force=force, format=format.value, out=sys.stdout, err=sys.stderr)

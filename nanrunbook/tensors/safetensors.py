@@ -12,28 +12,22 @@ Tensor names are untrusted: they appear only quoted in messages, never in ``wher
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .dtypes import DTYPES
-from .errors import EvidenceRejected, Violation, quote
+from nanrunbook.access import file_where, os_error
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.errors import EvidenceRejected, Violation, quote
 
 __all__ = [
     "CODES",
     "MAX_HEADER_LEN",
     "HeaderEntry",
     "TensorFileHeader",
-    "check_relative_path",
-    "file_where",
-    "open_in_bundle",
     "read_header",
 ]
 
@@ -43,13 +37,6 @@ _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 _METADATA = "__metadata__"
 
 CODES: dict[str, str] = {
-    "FILE_PATH_UNSAFE": (
-        "a tensor file path is empty, absolute, or has a '..' component, a backslash or a NUL"
-    ),
-    "FILE_MISSING": "a tensor file named by the manifest does not exist",
-    "FILE_OUTSIDE_BUNDLE": "a tensor file path resolves (through symlinks) outside the bundle",
-    "FILE_NOT_REGULAR": "a tensor file path names a directory, FIFO, device or socket",
-    "FILE_UNREADABLE": "a tensor file cannot be opened or read (permission, symlink loop, I/O)",
     "HEADER_LENGTH_INVALID": (
         "the 8-byte header length is missing, zero, above the bound, or past the end of the file"
     ),
@@ -94,170 +81,6 @@ class TensorFileHeader:
     size: int  # file size from fstat
     data_start: int  # 8 + header_len
     entries: Mapping[str, HeaderEntry]
-
-
-# --------------------------------------------------------------------------- paths
-
-_PLAIN_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
-
-
-def file_where(relpath: str) -> str:
-    """The relpath as a violation's ``where``; quoted unless it is plain ASCII."""
-    return relpath if _PLAIN_PATH.fullmatch(relpath) else quote(relpath)
-
-
-def check_relative_path(relpath: str) -> list[Violation]:
-    """FILE_PATH_UNSAFE violations of a manifest tensor-file path (empty list when safe).
-
-    Exactly the spec's list (empty, absolute, '..', backslash, NUL): '.' and empty
-    components are allowed, as the spec allows them; two spellings of one file are
-    recognised as one file when the bundle is read.
-    """
-    where = file_where(relpath)
-    problems: list[str] = []
-    if relpath == "":
-        problems.append("the path is empty")
-    else:
-        if relpath.startswith("/"):
-            problems.append("the path is absolute")
-        if "\\" in relpath:
-            problems.append("the path contains a backslash")
-        if "\x00" in relpath:
-            problems.append("the path contains a NUL character")
-        parts = relpath.split("/")
-        if relpath.startswith("/"):
-            parts = parts[1:]
-        if ".." in parts:
-            problems.append("the path has a '..' component")
-    return [
-        Violation("FILE_PATH_UNSAFE", where, f"tensor file path {quote(relpath)}: {problem}")
-        for problem in problems
-    ]
-
-
-def _reject(code: str, relpath: str, message: str) -> EvidenceRejected:
-    return EvidenceRejected([Violation(code, file_where(relpath), message)])
-
-
-def _os_error(relpath: str, err: OSError, doing: str) -> EvidenceRejected:
-    shown = quote(relpath)
-    reason = os.strerror(err.errno) if err.errno else type(err).__name__
-    if doing == "opening" and err.errno in (errno.ELOOP, errno.ENOTDIR):
-        # realpath just saw real directories and a real file: a symlink appeared since.
-        return _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown} changed while being opened"
-        )
-    if isinstance(err, FileNotFoundError | NotADirectoryError):
-        return _reject("FILE_MISSING", relpath, f"tensor file {shown} does not exist")
-    if err.errno == errno.ELOOP:
-        return _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown}: symlink loop while {doing}"
-        )
-    return _reject("FILE_UNREADABLE", relpath, f"tensor file {shown}: {reason} while {doing}")
-
-
-# O_PATH opens a directory for use as dir_fd without needing read permission on it.
-_O_DIR: int = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_O_FILE = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
-    """Open a manifest-named tensor file read-only; return the fd (the caller closes it).
-
-    The path is checked lexically, resolved with ``realpath`` (symlinks allowed as long
-    as the target stays inside the bundle's real path), then opened again component by
-    component from the bundle directory with O_NOFOLLOW, so a symlink swapped in after
-    the check makes the open fail instead of leading out of the bundle. The final
-    component is lstat-ed before the open (a device or FIFO is never opened) and the
-    opened fd is fstat-ed (authoritative); O_NONBLOCK keeps a FIFO from blocking anyway.
-
-    Raises EvidenceRejected: FILE_PATH_UNSAFE, FILE_MISSING, FILE_OUTSIDE_BUNDLE,
-    FILE_NOT_REGULAR, FILE_UNREADABLE.
-    """
-    unsafe = check_relative_path(relpath)
-    if unsafe:
-        raise EvidenceRejected(unsafe)
-    shown = quote(relpath)
-    try:
-        root = os.path.realpath(bundle_dir, strict=True)
-    except OSError as err:
-        raise _reject(
-            "FILE_MISSING" if isinstance(err, FileNotFoundError) else "FILE_UNREADABLE",
-            relpath,
-            f"bundle directory cannot be resolved for tensor file {shown}",
-        ) from None
-    try:
-        # strict: a missing target or a symlink loop raises instead of looping or guessing.
-        target = os.path.realpath(os.path.join(root, relpath), strict=True)
-    except OSError as err:
-        raise _os_error(relpath, err, "resolving symlinks") from None
-    if os.path.commonpath([root, target]) != root:
-        raise _reject(
-            "FILE_OUTSIDE_BUNDLE",
-            relpath,
-            f"tensor file {shown} resolves through a symlink to a path outside the bundle",
-        )
-    parts = [] if target == root else os.path.relpath(target, root).split(os.sep)
-    if not parts:
-        raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} is the bundle directory")
-    if relpath.endswith(("/", "/.")):
-        # realpath drops the trailing "/", but the path names a directory (POSIX).
-        raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} names a directory")
-
-    opened: list[int] = []
-    try:
-        try:
-            opened.append(os.open(root, _O_DIR))
-            for part in parts[:-1]:
-                opened.append(os.open(part, _O_DIR, dir_fd=opened[-1]))
-            before = os.stat(parts[-1], dir_fd=opened[-1], follow_symlinks=False)
-        except OSError as err:
-            raise _os_error(relpath, err, "opening") from None
-        if not stat.S_ISREG(before.st_mode):
-            raise _reject(
-                "FILE_NOT_REGULAR",
-                relpath,
-                f"tensor file {shown} is a {_kind(before.st_mode)}, not a regular file",
-            )
-        try:
-            fd = os.open(parts[-1], _O_FILE, dir_fd=opened[-1])
-        except OSError as err:
-            raise _os_error(relpath, err, "opening") from None
-    finally:
-        for dir_fd in opened:
-            os.close(dir_fd)
-    try:
-        after = os.fstat(fd)
-    except OSError as err:
-        os.close(fd)
-        raise _os_error(relpath, err, "reading its status") from None
-    if not stat.S_ISREG(after.st_mode):
-        os.close(fd)
-        raise _reject(
-            "FILE_NOT_REGULAR",
-            relpath,
-            f"tensor file {shown} is a {_kind(after.st_mode)}, not a regular file",
-        )
-    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-        os.close(fd)
-        raise _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown} was replaced while being opened"
-        )
-    return fd
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "special file"
 
 
 # -------------------------------------------------------------------------- header
@@ -340,7 +163,7 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
         size = os.fstat(fd).st_size
         prefix = _read_exactly(fd, 8, 0) if size >= 8 else b""
     except OSError as err:
-        raise _os_error(relpath, err, "reading its header length") from None
+        raise os_error(relpath, err, "reading its header length") from None
     if len(prefix) < 8:
         raise fail(
             "HEADER_LENGTH_INVALID",
@@ -365,7 +188,7 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     try:
         raw = _read_exactly(fd, header_len, 8)
     except OSError as err:
-        raise _os_error(relpath, err, "reading its header") from None
+        raise os_error(relpath, err, "reading its header") from None
     if len(raw) < header_len:
         raise fail("HEADER_LENGTH_INVALID", "the file shrank while its header was read")
 

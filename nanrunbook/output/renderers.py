@@ -14,11 +14,16 @@ from typing import IO, Any, ClassVar
 
 import orjson
 
-from .contract import CONTRACT_VERSION, HOLD
-from .errors import EvidenceRejected
-from .model import StageFinding
-from .report import Report, checklist_document, rejection_document, report_document
-from .runbook import Section
+from nanrunbook.contract import CONTRACT_VERSION, HOLD
+from nanrunbook.errors import EvidenceRejected
+from nanrunbook.records import StageFinding
+from nanrunbook.verdict.report import (
+    Report,
+    checklist_document,
+    rejection_document,
+    report_document,
+)
+from nanrunbook.verdict.runbook import Section
 
 __all__ = ["RENDERERS", "JsonRenderer", "KvRenderer", "Renderer", "TextRenderer"]
 

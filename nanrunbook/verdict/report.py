@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._version import __version__
-from .contract import CONTRACT_VERSION, HOLD
-from .errors import EvidenceRejected
-from .model import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
-from .runbook import Section
+from nanrunbook._version import __version__
+from nanrunbook.contract import CONTRACT_VERSION, HOLD
+from nanrunbook.errors import EvidenceRejected
+from nanrunbook.records import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
+from nanrunbook.verdict.runbook import Section
 
 __all__ = ["REPORT_FORMAT", "Report", "rejection_document", "report_document"]
 

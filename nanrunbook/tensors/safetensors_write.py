@@ -12,7 +12,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .dtypes import DTYPES
+from nanrunbook.dtypes import DTYPES
 
 __all__ = ["RawTensor", "safetensors_chunks"]
 

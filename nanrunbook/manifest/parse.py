@@ -1,7 +1,7 @@
 """manifest.json to records: every field's type, form and presence (spec sections 2-5).
 
 Parsing is kept apart from judging: this module reads what the manifest says and
-the rules it can see within one record; :mod:`nanrunbook.rules` holds the rules
+the rules it can see within one record; :mod:`nanrunbook.manifest.rules` holds the rules
 that relate records. A record is built only when nothing in it is wrong, so a
 later rule never reasons over a half-read value, and every violation found is
 still reported.
@@ -13,12 +13,13 @@ import re
 from types import MappingProxyType
 from typing import Any
 
-from . import rules
-from .contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
-from .dtypes import DTYPES
-from .errors import Violation
-from .fields import Fields, Sink, is_integer, is_number, json_type
-from .model import (
+from nanrunbook.access import check_relative_path
+from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.errors import Violation
+from nanrunbook.manifest import rules as rules
+from nanrunbook.manifest.fields import Fields, Sink, is_integer, is_number, json_type
+from nanrunbook.records import (
     STAGE_ORDER,
     Binding,
     Counts,
@@ -28,12 +29,11 @@ from .model import (
     StageRecord,
     TensorEntry,
 )
-from .strictjson import child_path
-from .tensorfile import check_relative_path
+from nanrunbook.strictjson import child_path
 
 __all__ = ["CODES", "parse_manifest"]
 
-from .content_id import EVIDENCE_ID_PREFIX
+from nanrunbook.manifest.content_id import EVIDENCE_ID_PREFIX
 
 EVIDENCE_ID_FORM = re.compile(re.escape(EVIDENCE_ID_PREFIX) + r"[0-9a-f]{64}")
 SHA256_FORM = re.compile(r"[0-9a-f]{64}")

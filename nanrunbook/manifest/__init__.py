@@ -1,0 +1,1 @@
+"""The manifest side: strict fields, parsing, contract rules, content id, schema."""

@@ -1,0 +1,1 @@
+"""Output: one renderer per format behind one interface, and progress."""

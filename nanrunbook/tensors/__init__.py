@@ -1,0 +1,1 @@
+"""The tensor side: the safetensors format, exact counting, scanning, verification."""

@@ -1,0 +1,1 @@
+"""The verdict: decision, runbook checklist, report record."""
