@@ -13,6 +13,7 @@ from typing import Any
 
 import rfc8785
 
+from nanrunbook.exits import Exit
 from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
@@ -85,9 +86,18 @@ def contract_document(caps: Caps | None = None) -> dict[str, Any]:
         "actions": dict(ACTIONS),
         "no_nonfinite_action": NO_NONFINITE_ACTION,
         "decisions": {
-            HOLD: {"exit_code": 1, "when": "an OBSERVED stage has a non-finite element"},
-            CONTINUE: {"exit_code": 0, "when": "no OBSERVED stage has a non-finite element"},
-            "REJECTED": {"exit_code": 3, "when": "the evidence breaks the contract"},
+            HOLD: {
+                "exit_code": int(Exit.HOLD),
+                "when": "an OBSERVED stage has a non-finite element",
+            },
+            CONTINUE: {
+                "exit_code": int(Exit.CONTINUE),
+                "when": "no OBSERVED stage has a non-finite element",
+            },
+            "REJECTED": {
+                "exit_code": int(Exit.REJECTED),
+                "when": "the evidence breaks the contract",
+            },
         },
         "root_cause_claim": ROOT_CAUSE_CLAIM,
         "caps": {

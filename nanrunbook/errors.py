@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from nanrunbook.exits import Exit
+
 __all__ = ["EvidenceRejected", "Violation", "quote"]
 
 _MAX_QUOTED = 80
@@ -45,7 +47,7 @@ class EvidenceRejected(Exception):
     """
 
     code = "EVIDENCE_REJECTED"
-    exit_code = 3
+    exit_code = Exit.REJECTED
 
     def __init__(self, violations: Iterable[Violation]) -> None:
         self.violations: tuple[Violation, ...] = tuple(violations)

@@ -17,11 +17,7 @@ import typer
 
 from nanrunbook._version import __version__
 from nanrunbook.contract import Caps
-
-EXIT_USAGE = 2
-EXIT_REJECTED = 3
-EXIT_INTERNAL = 4
-EXIT_INTERRUPTED = 130
+from nanrunbook.exits import Exit
 
 app = typer.Typer(
     name="nanrunbook",
@@ -88,7 +84,7 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise
         except KeyboardInterrupt:
             sys.stderr.write("nanrunbook: interrupted\n")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            raise typer.Exit(Exit.INTERRUPTED) from None
         except BrokenPipeError:
             # Only output that carries no verdict gets here (help, documents).
             from nanrunbook.cli.judge import silence
@@ -97,7 +93,7 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(0) from None
         except Exception as error:
             sys.stderr.write(f"nanrunbook: internal error: {type(error).__name__}: {error}\n")
-            raise typer.Exit(EXIT_INTERNAL) from None
+            raise typer.Exit(Exit.INTERNAL) from None
 
     return run
 

@@ -12,6 +12,7 @@ from typing import Any
 from nanrunbook._version import __version__
 from nanrunbook.contract import CONTRACT_VERSION, HOLD
 from nanrunbook.errors import EvidenceRejected
+from nanrunbook.exits import Exit
 from nanrunbook.records import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
 from nanrunbook.verdict.runbook import Section
 
@@ -35,7 +36,7 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.decision.decision == HOLD else 0
+        return Exit.HOLD if self.decision.decision == HOLD else Exit.CONTINUE
 
     @property
     def scaler(self) -> Scaler:

@@ -1,0 +1,24 @@
+"""Every early-warning code nanrunbook can report, with its one-line meaning.
+
+Warnings never change a decision or the verdict's exit code. The check's report
+and the sentinel's telemetry use the same code where they mean the same thing.
+Codes are stable: alerting rules match on them.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+__all__ = ["WARNING_CODES"]
+
+WARNING_CODES = MappingProxyType(
+    {
+        "AT_DTYPE_MAX": "a finite value equals its dtype's largest finite value (saturated)",
+        "NEAR_DTYPE_MAX": "a finite value is less than 1 bit below its dtype's largest finite value",
+        "BEYOND_COMPUTE_DTYPE": "a finite value the stage's compute dtype cannot represent",
+        "GRADIENT_UNDERFLOW": (
+            "a share of zero or subnormal F16/BF16 gradients above the threshold,"
+            " or all-zero gradients under a loss scale"
+        ),
+    }
+)
