@@ -13,15 +13,17 @@ from nanrunbook.access import read_manifest_bytes
 from nanrunbook.contract import Caps, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.manifest.declared import NOTHING_DECLARED, Declared, declared_values
 from nanrunbook.manifest.parse import parse_manifest
 from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import checklist
 
-__all__ = ["check_bundle"]
+__all__ = ["Judgement", "check_bundle", "judge_bundle"]
 
 
 def check_bundle(
@@ -29,17 +31,44 @@ def check_bundle(
     *,
     caps: Caps | None = None,
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> Report:
     """Check the evidence bundle at ``path``.
 
     Returns a :class:`~nanrunbook.verdict.report.Report` (HOLD or CONTINUE) or raises
     :class:`~nanrunbook.errors.EvidenceRejected` listing every violation found.
     Never writes. ``progress``, if given, is called with each tensor's byte count
-    as it is read.
+    as it is read. ``workers`` threads read tensor data (default: one per usable
+    core).
     """
+    judgement = judge_bundle(path, caps=caps, progress=progress, workers=workers)
+    if judgement.rejection is not None:
+        raise judgement.rejection
+    assert judgement.report is not None
+    return judgement.report
+
+
+def judge_bundle(
+    path: str | os.PathLike[str],
+    *,
+    caps: Caps | None = None,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> Judgement:
+    """:func:`check_bundle`, answering a rejection as a value instead of raising it."""
     caps = caps or Caps()
     bundle = Path(path)
-    tree = load_manifest_bytes(read_manifest_bytes(bundle))
+    content_id = contract_content_id(caps)
+    declared: Declared = NOTHING_DECLARED
+
+    def rejected(violations: list[Violation]) -> Judgement:
+        return Judgement(str(bundle), content_id, declared, None, EvidenceRejected(violations))
+
+    try:
+        tree = load_manifest_bytes(read_manifest_bytes(bundle))
+    except EvidenceRejected as error:
+        return rejected(list(error.violations))
+    declared = declared_values(tree)
     manifest, violations = parse_manifest(tree, caps)
     declared_id = tree.get("evidence_content_id")
     recomputed = evidence_content_id(tree)
@@ -53,10 +82,11 @@ def check_bundle(
             )
         )
     if manifest is None:
-        raise EvidenceRejected(violations)
+        return rejected(violations)
+    del tree  # the records hold what is needed; the tree can be large
 
     # A stale content id still lets the data be checked: report both at once.
-    findings, file_violations = verify_bundle(bundle, manifest, progress)
+    findings, file_violations = verify_bundle(bundle, manifest, progress, workers=workers)
     violations.extend(file_violations)
     # found_inf agreed with the declared counts (else the manifest was rejected
     # above); where the recount differs from them, say what it means for the scaler.
@@ -66,14 +96,17 @@ def check_bundle(
         if v.code == "SCALER_FOUND_INF_MISMATCH"
     )
     if violations:
-        raise EvidenceRejected(violations)
-
-    decision = decide(findings)
-    return Report(
+        return rejected(violations)
+    try:
+        decision = decide(findings)
+    except EvidenceRejected as error:
+        return rejected(list(error.violations))
+    report = Report(
         bundle=str(bundle),
-        contract_content_id=contract_content_id(caps),
+        contract_content_id=content_id,
         manifest=manifest,
         stages=findings,
         decision=decision,
         checklist=checklist(decision.earliest_nonfinite_stage),
     )
+    return Judgement(str(bundle), content_id, declared, report, None)
