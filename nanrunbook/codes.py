@@ -13,14 +13,15 @@ from nanrunbook import access, strictjson
 from nanrunbook.capture import seal
 from nanrunbook.manifest import fields, parse, rules
 from nanrunbook.tensors import safetensors, verify
-from nanrunbook.verdict import decision
+from nanrunbook.verdict import decision, incident_set, merge
 
 __all__ = ["CODES"]
 
 
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
-    for module in (strictjson, fields, parse, rules, access, safetensors, verify, decision, seal):
+    modules = (strictjson, fields, parse, rules, access, safetensors, verify, decision, seal)
+    for module in (*modules, incident_set, merge):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

@@ -315,7 +315,11 @@ def _quoted(name: str) -> str:
 
 
 def _set_headline(result: IncidentSet) -> tuple[Any, ...]:
-    where = quote(result.path) if result.path is not None else f"{len(result.merged_from)} reports"
+    where = (
+        quote(result.path)
+        if result.path is not None
+        else f"merged from {len(result.merged_from)} report{'s' if len(result.merged_from) != 1 else ''}"
+    )
     size = (
         f"world size {result.world_size}" if result.world_size is not None else "world size unknown"
     )

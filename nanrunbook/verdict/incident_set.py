@@ -42,6 +42,7 @@ __all__ = [
     "SetViolation",
     "judge_set",
     "rank_list",
+    "reference_value",
     "set_document",
 ]
 
@@ -73,7 +74,7 @@ class SetMember:
     decision: str  # HOLD, CONTINUE_BOUNDED_DIAGNOSTICS or REJECTED
     earliest_nonfinite_stage: str | None
     first_nonfinite_tensor: str | None
-    contract_content_id: str  # the contract it was judged under
+    contract_content_id: str | None  # the contract it was judged under; None if unknown
     violations: tuple[Violation, ...]  # a rejected member's; () when accepted
     document: Mapping[str, Any] = field(compare=False)  # its full report, as JSON has it
     report: Report | None = field(default=None, compare=False)  # when judged here
@@ -185,7 +186,7 @@ def judge_set(
     says why the set's members could not be listed, if they could not."""
     members = tuple(sorted(members, key=lambda m: m.name))
     violations = _set_violations(members, unlisted)
-    world_size = _reference(members, lambda m: m.declared.world_size)
+    world_size = reference_value(members, lambda m: m.declared.world_size)
     ranks = tuple(sorted({m.rank for m in members if m.rank is not None}))
     missing = _missing_runs(ranks, world_size) if world_size is not None else ()
     holds = [m for m in members if m.decision == HOLD]
@@ -206,8 +207,8 @@ def judge_set(
         merged_from=tuple(merged_from),
         contract_content_id=contract_content_id,
         members=members,
-        run_id=_reference(members, lambda m: m.declared.run_id),
-        step=_reference(members, lambda m: m.declared.step),
+        run_id=reference_value(members, lambda m: m.declared.run_id),
+        step=reference_value(members, lambda m: m.declared.step),
         world_size=world_size,
         ranks=ranks,
         missing=missing,
@@ -220,8 +221,10 @@ def judge_set(
     )
 
 
-def _reference(members: Sequence[SetMember], value_of: Callable[[SetMember], Any]) -> Any:
-    """The value most members declare (on a tie, the first member's in name order)."""
+def reference_value(members: Sequence[SetMember], value_of: Callable[[SetMember], Any]) -> Any:
+    """The value most members declare (on a tie, the first member's in name order);
+    None when none declares one. The set's run, step and world size, and the value
+    a member that disagrees is told it differs from."""
     values = [v for v in map(value_of, members) if v is not None]
     if not values:
         return None
@@ -247,7 +250,7 @@ def _set_violations(members: Sequence[SetMember], unlisted: str | None) -> list[
         return [SetViolation("SET_EMPTY", None, None, message)]
     found: list[SetViolation] = []
     for code, what, value_of in _AGREEMENT:
-        reference = _reference(members, value_of)
+        reference = reference_value(members, value_of)
         agreeing = sum(1 for m in members if value_of(m) == reference)
         for member in members:
             value = value_of(member)
