@@ -7,13 +7,19 @@ of tensor data is read, so hostile declarations cost nothing to refuse.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from nanrunbook.access import read_manifest_bytes
 from nanrunbook.contract import Caps, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.manifest.content_id import evidence_content_id
-from nanrunbook.manifest.declared import NOTHING_DECLARED, Declared, declared_values
+from nanrunbook.manifest.declared import (
+    NOTHING_DECLARED,
+    Declared,
+    declared_by_manifest,
+    declared_values,
+)
 from nanrunbook.manifest.parse import parse_manifest
 from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
@@ -23,7 +29,17 @@ from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import checklist
 
-__all__ = ["Judgement", "check_bundle", "judge_bundle"]
+__all__ = ["BundleRejected", "check_bundle", "judge_bundle"]
+
+
+class BundleRejected(EvidenceRejected):
+    """A bundle's rejection by :func:`check_bundle`, with what its manifest validly
+    declares about its place in a job (nothing when it is not strict JSON): a
+    rejected member of an incident set may still say which rank it is."""
+
+    def __init__(self, violations: Iterable[Violation], declared: Declared) -> None:
+        super().__init__(violations)
+        self.declared = declared
 
 
 def check_bundle(
@@ -41,33 +57,9 @@ def check_bundle(
     as it is read. ``workers`` threads read tensor data (default: one per usable
     core).
     """
-    judgement = judge_bundle(path, caps=caps, progress=progress, workers=workers)
-    if judgement.rejection is not None:
-        raise judgement.rejection
-    assert judgement.report is not None
-    return judgement.report
-
-
-def judge_bundle(
-    path: str | os.PathLike[str],
-    *,
-    caps: Caps | None = None,
-    progress: Progress | None = None,
-    workers: int | None = None,
-) -> Judgement:
-    """:func:`check_bundle`, answering a rejection as a value instead of raising it."""
     caps = caps or Caps()
     bundle = Path(path)
-    content_id = contract_content_id(caps)
-    declared: Declared = NOTHING_DECLARED
-
-    def rejected(violations: list[Violation]) -> Judgement:
-        return Judgement(str(bundle), content_id, declared, None, EvidenceRejected(violations))
-
-    try:
-        tree = load_manifest_bytes(read_manifest_bytes(bundle))
-    except EvidenceRejected as error:
-        return rejected(list(error.violations))
+    tree = load_manifest_bytes(read_manifest_bytes(bundle))
     declared = declared_values(tree)
     manifest, violations = parse_manifest(tree, caps)
     declared_id = tree.get("evidence_content_id")
@@ -82,8 +74,8 @@ def judge_bundle(
             )
         )
     if manifest is None:
-        return rejected(violations)
-    del tree  # the records hold what is needed; the tree can be large
+        raise BundleRejected(violations, declared)
+    del tree  # the records hold what is needed; a large tree need not stay while data is read
 
     # A stale content id still lets the data be checked: report both at once.
     findings, file_violations = verify_bundle(bundle, manifest, progress, workers=workers)
@@ -96,17 +88,32 @@ def judge_bundle(
         if v.code == "SCALER_FOUND_INF_MISMATCH"
     )
     if violations:
-        return rejected(violations)
-    try:
-        decision = decide(findings)
-    except EvidenceRejected as error:
-        return rejected(list(error.violations))
-    report = Report(
+        raise BundleRejected(violations, declared)
+
+    decision = decide(findings)
+    return Report(
         bundle=str(bundle),
-        contract_content_id=content_id,
+        contract_content_id=contract_content_id(caps),
         manifest=manifest,
         stages=findings,
         decision=decision,
         checklist=checklist(decision.earliest_nonfinite_stage),
     )
-    return Judgement(str(bundle), content_id, declared, report, None)
+
+
+def judge_bundle(
+    path: str | os.PathLike[str],
+    *,
+    caps: Caps | None = None,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> Judgement:
+    """:func:`check_bundle`, with a rejection as a value instead of raised, and what
+    the manifest declares (contract, run, step, topology) beside either answer."""
+    try:
+        report = check_bundle(path, caps=caps, progress=progress, workers=workers)
+    except EvidenceRejected as error:
+        declared = error.declared if isinstance(error, BundleRejected) else NOTHING_DECLARED
+        return Judgement(str(Path(path)), contract_content_id(caps), declared, None, error)
+    declared = declared_by_manifest(report.manifest)
+    return Judgement(report.bundle, report.contract_content_id, declared, report, None)

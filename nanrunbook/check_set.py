@@ -222,6 +222,9 @@ def _judge_members(
             except queue.Empty:
                 continue
             free += running.pop(done)[1]
+            failed = results[done]
+            if isinstance(failed, BaseException):
+                raise failed  # a defect or Ctrl-C: the others are stopped below
     except BaseException:
         cancel.set()
         for thread, _ in running.values():

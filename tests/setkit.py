@@ -50,6 +50,7 @@ def rank_bundle(
         if stage == hold:
             writer.not_run_rest(owner=OWNER, reason=f"held at {stage}")
             break
+    target.parent.mkdir(parents=True, exist_ok=True)
     writer.write(target)
     return target
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanrunbook.manifest.fields import Fields, Sink
+from nanrunbook.records import Manifest
 
-__all__ = ["NOTHING_DECLARED", "Declared", "declared_values"]
+__all__ = ["NOTHING_DECLARED", "Declared", "declared_by_manifest", "declared_values"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,4 +69,15 @@ def declared_values(tree: Any) -> Declared:
         step=run.integer("step", minimum=0) if run else None,
         world_size=world_size,
         rank=rank,
+    )
+
+
+def declared_by_manifest(manifest: Manifest) -> Declared:
+    """The declared values of an accepted manifest."""
+    return Declared(
+        contract_version=manifest.contract_version,
+        run_id=manifest.run_id,
+        step=manifest.step,
+        world_size=manifest.binding.world_size,
+        rank=manifest.binding.rank,
     )
