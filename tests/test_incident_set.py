@@ -679,3 +679,47 @@ def test_text_of_a_set_never_interprets_markup(tmp_path: Path) -> None:
     out = io.StringIO()
     TextRenderer().incident_set(check_incident_set(root), out)
     assert "'[bold]rank'" in out.getvalue()
+
+
+def test_a_huge_world_size_stays_bounded(tmp_path: Path) -> None:
+    """world_size is any integer >= 1: the answer lists runs, never 2^53 ranks."""
+    world = 2**53 - 1
+    root = make_set(tmp_path / "set", world, ranks=[0], holds={0: "input"})
+    started = time.monotonic()
+    result = check_incident_set(root)
+    assert kv(result) == hold(
+        "input",
+        "0",
+        "ONE_RANK",
+        world_size=world,
+        ranks_present=1,
+        missing_ranks=f"1-{world - 1}",
+    )
+    assert result.missing == (range(1, world),) and result.missing_count == world - 1
+    document = set_document(result)
+    assert document["missing_ranks"] is None
+    assert document["missing_rank_runs"] == [[1, world - 1]]
+    out = io.StringIO()
+    TextRenderer().incident_set(result, out)
+    assert f"missing: 1-{world - 1}" in out.getvalue()
+    assert time.monotonic() - started < 10
+
+
+def test_which_directories_are_sets(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "set", 2)
+    assert nanrunbook.is_incident_set(root)
+    assert not nanrunbook.is_incident_set(root / "rank-00000")  # a bundle
+    assert not nanrunbook.is_incident_set(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    assert not nanrunbook.is_incident_set(tmp_path / "empty")
+    (root / "manifest.json").write_text("{}")  # a manifest makes it a (broken) bundle
+    assert not nanrunbook.is_incident_set(root)
+
+
+def test_most_severe() -> None:
+    from nanrunbook.exits import most_severe
+
+    assert most_severe([0, 1, 3, 0]) == 3
+    assert most_severe([0, 1, 0]) == 1
+    assert most_severe([0, 0]) == 0
+    assert most_severe([]) == 0
