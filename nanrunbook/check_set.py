@@ -26,7 +26,6 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from nanrunbook.access import MANIFEST_NAME, file_where, set_members
 from nanrunbook.check import judge_bundle
@@ -129,33 +128,36 @@ class _Stop(BaseException):
 
 
 class _SharedProgress:
-    """The caller's progress, fed by every member in turn, and each member's
-    hand-over of the manifest turn when its data read begins."""
+    """The caller's progress, fed by every member in turn (under a lock)."""
 
     def __init__(self, outer: Progress | None, cancel: threading.Event) -> None:
-        self._outer = outer
-        self._extend = getattr(outer, "extend", None)
-        self._cancel = cancel
-        self._lock = threading.Lock()
+        self.outer = outer
+        self.extend = getattr(outer, "extend", None)
+        self.cancel = cancel
+        self.lock = threading.Lock()
 
-    def member(self, turn: _Turn) -> Any:
-        shared = self
 
-        class MemberProgress:
-            def start(self, total: int) -> None:
-                turn.release()
-                if callable(shared._extend):
-                    with shared._lock:
-                        shared._extend(total)
+class _MemberProgress:
+    """One member's progress: its data read beginning hands the manifest turn on
+    and adds its bytes to the caller's total; each chunk read is passed on, or
+    stops the member when the caller stopped waiting."""
 
-            def __call__(self, nbytes: int) -> None:
-                if shared._cancel.is_set():
-                    raise _Stop
-                if shared._outer is not None:
-                    with shared._lock:
-                        shared._outer(nbytes)
+    def __init__(self, shared: _SharedProgress, turn: _Turn) -> None:
+        self._shared = shared
+        self._turn = turn
 
-        return MemberProgress()
+    def start(self, total: int) -> None:
+        self._turn.release()
+        if callable(self._shared.extend):
+            with self._shared.lock:
+                self._shared.extend(total)
+
+    def __call__(self, nbytes: int) -> None:
+        if self._shared.cancel.is_set():
+            raise _Stop
+        if self._shared.outer is not None:
+            with self._shared.lock:
+                self._shared.outer(nbytes)
 
 
 class _Turn:
@@ -196,7 +198,7 @@ def _judge_members(
         try:
             if turn.acquire(cancel):
                 results[index] = judge_bundle(
-                    paths[index], caps=caps, progress=shared.member(turn), workers=share
+                    paths[index], caps=caps, progress=_MemberProgress(shared, turn), workers=share
                 )
         except BaseException as error:  # raised again in the caller's thread
             results[index] = error

@@ -225,11 +225,15 @@ def reference_value(members: Sequence[SetMember], value_of: Callable[[SetMember]
     """The value most members declare (on a tie, the first member's in name order);
     None when none declares one. The set's run, step and world size, and the value
     a member that disagrees is told it differs from."""
-    values = [v for v in map(value_of, members) if v is not None]
-    if not values:
+    counts: Counter[Any] = Counter()
+    first: dict[Any, int] = {}
+    for index, value in enumerate(map(value_of, members)):
+        if value is not None:
+            counts[value] += 1
+            first.setdefault(value, index)
+    if not counts:
         return None
-    counts = Counter(values)
-    return max(counts, key=lambda v: (counts[v], -values.index(v)))
+    return max(counts, key=lambda v: (counts[v], -first[v]))
 
 
 _AGREEMENT: tuple[tuple[str, str, Callable[[SetMember], Any]], ...] = (
