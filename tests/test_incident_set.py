@@ -723,3 +723,47 @@ def test_most_severe() -> None:
     assert most_severe([0, 1, 0]) == 1
     assert most_severe([0, 0]) == 0
     assert most_severe([]) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("missing-rank-without-hold", "SET_RANKS_MISSING"),
+        ("run-mismatch-rejects-a-hold", "SET_RUN_MISMATCH"),
+        ("step-mismatch", "SET_STEP_MISMATCH"),
+        ("world-size-mismatch", "SET_WORLD_SIZE_MISMATCH"),
+        ("duplicate-rank", "SET_RANK_DUPLICATE"),
+        ("contract-mismatch", "SET_CONTRACT_MISMATCH"),
+    ],
+)
+def test_each_set_code_says_why_in_one_line(name: str, code: str, tmp_path: Path) -> None:
+    root, _ = build(name, tmp_path)
+    result = check_incident_set(root)
+    first = result.violations[0]
+    assert first.code == code and result.decision == "REJECTED"
+    assert first.message and "\n" not in first.message
+
+
+def test_the_empty_set_code() -> None:
+    from nanrunbook.verdict.incident_set import judge_set
+
+    result = judge_set([], contract_content_id=CID, path="incident")
+    assert [v.code for v in result.violations] == ["SET_EMPTY"]
+    assert result.exit_code == 3
+
+
+def test_merge_refuses_reports_judged_under_another_contract(tmp_path: Path) -> None:
+    from nanrunbook import Caps
+
+    root = make_set(tmp_path / "set", 2, holds={0: "input"})
+    reports = []
+    for index, caps in enumerate((None, Caps(max_stage_tensors=4000))):
+        out = io.StringIO()
+        JsonRenderer().judgement(judge_bundle(root / f"rank-0000{index}", caps=caps), out)
+        reports.append(tmp_path / f"node-{index}.json")
+        reports[-1].write_text(out.getvalue())
+    merged = merge_reports(reports)
+    assert [(v.code, v.where) for v in merged.violations] == [
+        ("SET_CONTRACT_MISMATCH", "rank-00001")
+    ]
+    assert "SET_CONTRACT_MISMATCH" in kv(merged)[-1]
