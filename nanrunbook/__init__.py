@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from nanrunbook.contract import Caps, contract_content_id, contract_document
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.diff import (
+        Comparison,
+        ComparisonRejected,
+        diff_bundles,
+        diff_document,
+    )
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -33,6 +39,10 @@ _LAZY = {
     "contract_content_id": ".contract",
     "contract_document": ".contract",
     "decide": ".verdict.decision",
+    "Comparison": ".verdict.diff",
+    "ComparisonRejected": ".verdict.diff",
+    "diff_bundles": ".verdict.diff",
+    "diff_document": ".verdict.diff",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
     "Report": ".verdict.report",
@@ -41,6 +51,8 @@ _LAZY = {
 
 __all__ = [
     "Caps",
+    "Comparison",
+    "ComparisonRejected",
     "EvidenceRejected",
     "Report",
     "Violation",
@@ -49,6 +61,8 @@ __all__ = [
     "contract_content_id",
     "contract_document",
     "decide",
+    "diff_bundles",
+    "diff_document",
     "report_document",
 ]
 
