@@ -168,7 +168,8 @@ class _Accumulator:
         a, b = a[differ], b[differ]
         if self.layout.decode is None:
             self._integers(a, b)
-        else:
+            return
+        with np.errstate(invalid="ignore"):  # casting a signalling NaN warns
             self._floats(self.layout.decode(a), self.layout.decode(b))
 
     def _keep(self, abs_diff: float | int, rel_diff: float) -> None:
