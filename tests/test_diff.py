@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 import nanrunbook
-from nanrunbook import verdict as _verdict_package  # noqa: F401  (the package imports)
 from nanrunbook.cli import app
 from nanrunbook.output.renderers import RENDERERS
 from nanrunbook.verdict import diff as diff_module
@@ -84,6 +83,7 @@ def test_reproduced_bit_identical(tmp_path: Path) -> None:
     result = diff_bundles(base, other)
     assert (result.verdict, result.outcome, result.changes) == ("REPRODUCED", None, ())
     assert result.first_divergence is None
+    assert "not bit for bit" not in run_renderer("text", result)
     assert all(t.status == "identical" and t.delta is None for t in result.tensors)
     assert result.exit_code() == 0 and result.exit_code(require_fixed=True) == 1
     lines = run_renderer("kv", result).splitlines()
@@ -254,6 +254,8 @@ def test_first_divergence_is_the_first_differing_tensor_in_capture_order(tmp_pat
     assert first is not None and (first.name, first.base_stage) == ("act/l1", "forward")
     assert [t.name for t in result.tensors if t.differs] == ["act/l1", "grad/w"]
     assert kv(result)["first_divergence_stage"] == "forward"
+    assert result.verdict == "REPRODUCED"
+    assert "both answer the same, though not bit for bit" in run_renderer("text", result)
     before = float(tensors["forward"][1][1][0, 1])
     delta = first.delta
     assert delta is not None

@@ -293,6 +293,8 @@ def _diff_heading(console: Any, result: Comparison) -> None:
         head.append(f" ({_OUTCOME_MEANING[result.outcome]})")
     console.print(head)
     meaning = _DIFF_MEANING[verdict]
+    if verdict == "REPRODUCED" and result.first_divergence is not None:
+        meaning += ", though not bit for bit (see the first divergence)"
     if result.not_reproduced == "decision":
         meaning += " (the decision differs)"
     elif result.not_reproduced is not None:
