@@ -474,3 +474,28 @@ def test_json_has_no_infinity_even_for_an_f64_overflow(tmp_path: Path) -> None:
     assert delta is not None and delta.max_abs_diff == math.inf and delta.max_rel_diff == 2.0
     document = json.loads(run_renderer("json", result))
     assert document["first_divergence"]["max_abs_diff"] == "inf"
+
+
+def _documented(name: str) -> set[str]:
+    from tests.test_docs import MAN1, subsections, tags
+
+    return {word for tag in tags(subsections(MAN1, "JSON REPORT")[name]) for word in tag.split()}
+
+
+def test_the_man_page_documents_every_json_key(tmp_path: Path) -> None:
+    tensors = finite_tensors()
+    a = write_bundle(tmp_path / "a", tensors)
+    b = write_bundle(tmp_path / "b", with_value(tensors, "act/l0", (0, 0), 2.0))
+    document = diff_document(diff_bundles(a, b))
+    assert _documented("Comparison (diff, exit 0 or 1)") == set(document)
+    assert document["tensors"] and document["first_divergence"] is not None
+    for tensor in document["tensors"]:
+        assert _documented("Comparison tensor objects") == set(tensor)
+    for stage in document["stages"]:
+        assert _documented("Comparison stage objects") == set(stage)
+    with pytest.raises(ComparisonRejected) as caught:
+        diff_bundles(a, tmp_path / "missing")
+    rejection = diff_rejection_document(caught.value)
+    assert _documented("Rejected comparison (diff, exit 3)") == set(rejection)
+    for violation in rejection["violations"]:
+        assert set(violation) == {"side", "code", "where", "message"}

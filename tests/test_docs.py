@@ -431,6 +431,8 @@ def test_bash_script_registers_the_completion() -> None:
         ("nanrunbook s", "1", {"schema", "seal"}),
         ("nanrunbook check --f", "2", {"--format"}),
         ("nanrunbook check --format ", "3", {"text", "json", "kv"}),
+        ("nanrunbook di", "1", {"diff"}),
+        ("nanrunbook diff --req", "2", {"--require-fixed"}),
         (
             "nanrunbook checklist --stage ",
             "3",
