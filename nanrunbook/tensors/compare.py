@@ -165,7 +165,8 @@ class _Accumulator:
         if count == 0:
             return
         self.differing += count
-        a, b = a[differ], b[differ]
+        if count < a.size:  # a diverged replay differs almost everywhere: no gather then
+            a, b = a[differ], b[differ]
         if self.layout.decode is None:
             self._integers(a, b)
             return
