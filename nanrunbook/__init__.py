@@ -23,14 +23,14 @@ from nanrunbook._version import __version__
 if TYPE_CHECKING:
     from nanrunbook.check import check_bundle
     from nanrunbook.contract import Caps, contract_content_id, contract_document
-    from nanrunbook.errors import EvidenceRejected, Violation
-    from nanrunbook.verdict.decision import decide
-    from nanrunbook.verdict.diff import (
+    from nanrunbook.diff import (
         Comparison,
         ComparisonRejected,
         diff_bundles,
         diff_document,
     )
+    from nanrunbook.errors import EvidenceRejected, Violation
+    from nanrunbook.verdict.decision import decide
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -39,10 +39,10 @@ _LAZY = {
     "contract_content_id": ".contract",
     "contract_document": ".contract",
     "decide": ".verdict.decision",
-    "Comparison": ".verdict.diff",
-    "ComparisonRejected": ".verdict.diff",
-    "diff_bundles": ".verdict.diff",
-    "diff_document": ".verdict.diff",
+    "Comparison": ".diff",
+    "ComparisonRejected": ".diff",
+    "diff_bundles": ".diff",
+    "diff_document": ".diff",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
     "Report": ".verdict.report",

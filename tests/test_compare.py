@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from nanrunbook.capture import BundleWriter, RawTensor
+from nanrunbook.diff import diff_bundles
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.tensors.compare import DigestChanged, ElementDelta, compare_ranges
 from nanrunbook.tensors.scan import ShortRead
-from nanrunbook.verdict.diff import diff_bundles
 from tests.diffkit import BINDING
 
 ELEMENTS = 1000  # whole bytes for F4 (2 per byte) and F6 (4 per 3 bytes)

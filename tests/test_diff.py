@@ -13,16 +13,16 @@ import pytest
 from typer.testing import CliRunner
 
 import nanrunbook
+from nanrunbook import diff as diff_module
 from nanrunbook.cli import app
-from nanrunbook.output.renderers import RENDERERS
-from nanrunbook.verdict import diff as diff_module
-from nanrunbook.verdict.diff import (
+from nanrunbook.diff import (
     Comparison,
     ComparisonRejected,
     diff_bundles,
     diff_document,
     diff_rejection_document,
 )
+from nanrunbook.output.renderers import RENDERERS
 from tests.bundlekit import load, save
 from tests.diffkit import DYNAMIC_SCALER, finite_tensors, with_value, write_bundle
 

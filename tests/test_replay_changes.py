@@ -23,7 +23,7 @@ from nanrunbook.capture.mechanisms import (
     replay_changed,
 )
 from nanrunbook.capture.torch import replay_step, tensor_to_raw
-from nanrunbook.verdict.diff import Comparison
+from nanrunbook.diff import Comparison
 
 BINDING: dict[str, dict[str, Any]] = {
     "checkpoint": {"id": "ckpt-40"},

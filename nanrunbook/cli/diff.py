@@ -64,9 +64,9 @@ def diff(
     Example: nanrunbook diff fixtures/hold-forward-bf16 fixtures/continue-all-finite --format kv
     """
     from nanrunbook.cli.judge import emit
+    from nanrunbook.diff import ComparisonRejected, diff_bundles
     from nanrunbook.output.progress import check_progress
     from nanrunbook.output.renderers import RENDERERS
-    from nanrunbook.verdict.diff import ComparisonRejected, diff_bundles
 
     caps = caps_from(max_stage_elements, max_bundle_elements, max_stage_tensors)
     renderer = RENDERERS[format.value]

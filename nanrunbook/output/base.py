@@ -16,7 +16,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
-    from nanrunbook.verdict.diff import Comparison, ComparisonRejected
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["Renderer"]
 

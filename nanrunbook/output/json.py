@@ -18,7 +18,7 @@ from nanrunbook.verdict.report import (
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
-    from nanrunbook.verdict.diff import Comparison, ComparisonRejected
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["JsonRenderer", "json_text"]
 
@@ -46,7 +46,7 @@ class JsonRenderer(Renderer):
         out.write(json_text(document))
 
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
-        from nanrunbook.verdict.diff import (
+        from nanrunbook.diff import (
             ComparisonRejected,
             diff_document,
             diff_rejection_document,

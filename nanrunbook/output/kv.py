@@ -17,7 +17,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
-    from nanrunbook.verdict.diff import Comparison, ComparisonRejected
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["KvRenderer", "kv_where"]
 
@@ -97,7 +97,7 @@ class KvRenderer(Renderer):
 
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
         # Binding item names, stage names and fixed words only: never a field value.
-        from nanrunbook.verdict.diff import ComparisonRejected
+        from nanrunbook.diff import ComparisonRejected
 
         if isinstance(result, ComparisonRejected):
             lines = [

@@ -20,7 +20,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
-    from nanrunbook.verdict.diff import Comparison, ComparisonRejected, TensorDiff
+    from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
 
 __all__ = ["TextRenderer"]
 
@@ -188,7 +188,7 @@ class TextRenderer(Renderer):
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
         from rich.text import Text
 
-        from nanrunbook.verdict.diff import ComparisonRejected
+        from nanrunbook.diff import ComparisonRejected
 
         console = self._console(out)
         if isinstance(result, ComparisonRejected):
