@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from nanrunbook.check import check_bundle
     from nanrunbook.check_set import check_incident_set, is_incident_set
     from nanrunbook.contract import Caps, contract_content_id, contract_document
+    from nanrunbook.diff import (
+        Comparison,
+        ComparisonRejected,
+        diff_bundles,
+        diff_document,
+    )
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
     from nanrunbook.verdict.incident_set import IncidentSet, set_document
@@ -44,6 +50,10 @@ _LAZY = {
     "contract_content_id": ".contract",
     "contract_document": ".contract",
     "decide": ".verdict.decision",
+    "Comparison": ".diff",
+    "ComparisonRejected": ".diff",
+    "diff_bundles": ".diff",
+    "diff_document": ".diff",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
     "Report": ".verdict.report",
@@ -52,6 +62,8 @@ _LAZY = {
 
 __all__ = [
     "Caps",
+    "Comparison",
+    "ComparisonRejected",
     "EvidenceRejected",
     "IncidentSet",
     "Report",
@@ -62,6 +74,8 @@ __all__ = [
     "contract_content_id",
     "contract_document",
     "decide",
+    "diff_bundles",
+    "diff_document",
     "is_incident_set",
     "merge_reports",
     "report_document",

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.incident_set import IncidentSet, Outcome
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["Renderer"]
 
@@ -55,3 +58,7 @@ class Renderer(ABC):
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         """One bundle's report or rejection; in json a rejection carries what the
         rejected manifest declares (so ``merge`` can place its rank)."""
+
+    @abstractmethod
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        """Two bundles compared (``diff``), or the rejection of one side or both."""
