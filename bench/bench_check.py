@@ -69,6 +69,7 @@ class Command:
     expect: int  # exit status
     env: dict[str, str] | None = None
     walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)  # user + system seconds
     rss_kib: list[int] = field(default_factory=list)
 
     def run(self) -> None:
@@ -85,11 +86,16 @@ class Command:
         if process.stderr:
             process.stderr.close()
         self.walls.append(wall)
+        self.cpus.append(usage.ru_utime + usage.ru_stime)
         self.rss_kib.append(usage.ru_maxrss)  # KiB on Linux
 
     @property
     def median(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
 
     @property
     def peak_mb(self) -> float:
@@ -161,6 +167,7 @@ def main() -> None:
     for command in commands:  # warm-up, untimed
         command.run()
         command.walls.clear()
+        command.cpus.clear()
         command.rss_kib.clear()
     for round_ in range(args.runs):
         order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
@@ -175,11 +182,13 @@ def main() -> None:
     by = {c.name: c for c in commands}
     print()
     print(
-        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}  (runs: {args.runs})"
+        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
+        f" {'peak RSS MB':>12}  (runs: {args.runs}; cpu: median user + system)"
     )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f" {c.peak_mb:12.1f}"
         )
     print()
     ratio = by["check"].median / by["sha256"].median
@@ -195,6 +204,10 @@ def main() -> None:
         print(
             f"base / sha256 floor   {base.median / by['sha256'].median:.2f} x   "
             f"check / base {by['check'].median / base.median:.3f} x   ({args.baseline})"
+        )
+        print(
+            f"cpu: check / base     {by['check'].cpu / base.cpu:.3f} x   "
+            f"check / sha256 {by['check'].cpu / by['sha256'].cpu:.2f} x (less sensitive to load)"
         )
     lib = by["library"].median / by["sha256"].median
     print(f"library / sha256      {lib:.2f} x   (the same check without the CLI framework)")
