@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from nanrunbook.verdict.decision import decide
     from nanrunbook.verdict.incident_set import IncidentSet, set_document
     from nanrunbook.verdict.merge import merge_reports
+    from nanrunbook.verdict.precision import WarningThresholds, headroom
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -58,6 +59,8 @@ _LAZY = {
     "Violation": ".errors",
     "Report": ".verdict.report",
     "report_document": ".verdict.report",
+    "WarningThresholds": ".verdict.precision",
+    "headroom": ".verdict.precision",
 }
 
 __all__ = [
@@ -68,6 +71,7 @@ __all__ = [
     "IncidentSet",
     "Report",
     "Violation",
+    "WarningThresholds",
     "__version__",
     "check_bundle",
     "check_incident_set",
@@ -76,6 +80,7 @@ __all__ = [
     "decide",
     "diff_bundles",
     "diff_document",
+    "headroom",
     "is_incident_set",
     "merge_reports",
     "report_document",

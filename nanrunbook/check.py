@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from nanrunbook.access import read_manifest_bytes
@@ -26,6 +27,7 @@ from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
 from nanrunbook.verdict.judgement import Judgement
+from nanrunbook.verdict.precision import WarningThresholds, early_warnings
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import checklist
 
@@ -48,6 +50,7 @@ def check_bundle(
     caps: Caps | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
+    thresholds: WarningThresholds | None = None,
 ) -> Report:
     """Check the evidence bundle at ``path``.
 
@@ -55,7 +58,9 @@ def check_bundle(
     :class:`~nanrunbook.errors.EvidenceRejected` listing every violation found.
     Never writes. ``progress``, if given, is called with each tensor's byte count
     as it is read. ``workers`` threads read tensor data (default: one per usable
-    core).
+    core). ``thresholds`` sets when the report's early warnings fire
+    (default :class:`~nanrunbook.verdict.precision.WarningThresholds`); warnings never
+    change the decision or the exit code.
     """
     caps = caps or Caps()
     bundle = Path(path)
@@ -91,7 +96,7 @@ def check_bundle(
         raise BundleRejected(violations, declared)
 
     decision = decide(findings)
-    return Report(
+    report = Report(
         bundle=str(bundle),
         contract_content_id=contract_content_id(caps),
         manifest=manifest,
@@ -99,6 +104,7 @@ def check_bundle(
         decision=decision,
         checklist=checklist(decision.earliest_nonfinite_stage),
     )
+    return replace(report, warnings=early_warnings(report, thresholds))
 
 
 def judge_bundle(

@@ -23,9 +23,11 @@ def rank_bundle(
     hold: str | None = None,
     run_id: str = "run-ranks",
     step: int = 10,
+    saturate: bool = False,
 ) -> Path:
     """Write rank ``rank``'s bundle to ``target``: every stage finite, or, with
-    ``hold``, a NaN at that stage (in its second tensor) and the later stages NOT_RUN."""
+    ``hold``, a NaN at that stage (in its second tensor) and the later stages NOT_RUN.
+    ``saturate`` puts F32's largest finite value in the forward stage (a warning)."""
     items = binding()
     items["topology"] = {"id": f"ddp-{world_size}", "world_size": world_size, "rank": rank}
     writer = BundleWriter(
@@ -39,6 +41,8 @@ def rank_bundle(
         values = np.arange(4, dtype="float32") + index + rank
         if stage == hold:
             values[2] = np.nan
+        if saturate and stage == "forward":
+            values[0] = np.finfo(np.float32).max
         extra: dict[str, Any] = {"gradients": "unscaled"} if stage == "backward" else {}
         writer.observe(
             stage,

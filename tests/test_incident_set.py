@@ -415,7 +415,7 @@ def test_cli_check_of_a_set(tmp_path: Path) -> None:
     assert head[1].split() == ["origin", "ONE_RANK:", "rank", "2"]
     assert head[2].split() == ["earliest", "non-finite", "stage", "forward"]
     rows = [line.split() for line in text.stdout.splitlines() if line.startswith("  2 ")]
-    assert rows == [["2", "rank-00002", "HOLD", "forward", "forward/b", "<-", "origin"]]
+    assert rows == [["2", "rank-00002", "HOLD", "forward", "-", "forward/b", "<-", "origin"]]
     assert any(
         line.split()[:3] == ["3", "rank-00003", "REJECTED"] for line in text.stdout.splitlines()
     )
@@ -767,3 +767,18 @@ def test_merge_refuses_reports_judged_under_another_contract(tmp_path: Path) -> 
         ("SET_CONTRACT_MISMATCH", "rank-00001")
     ]
     assert "SET_CONTRACT_MISMATCH" in kv(merged)[-1]
+
+
+def test_each_rank_shows_its_warnings(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "set", 2, ranks=[1], holds={1: "loss"})
+    rank_bundle(root / "rank-00000", rank=0, world_size=2, saturate=True, hold="backward")
+    result = check_incident_set(root)
+    member = result.members[0]
+    assert member.warnings and set(member.warnings) <= {"AT_DTYPE_MAX", "NEAR_DTYPE_MAX"}
+    out = io.StringIO()
+    TextRenderer().incident_set(result, out)
+    row = next(line for line in out.getvalue().splitlines() if line.startswith("  0 "))
+    assert row.split()[:5] == ["0", "rank-00000", "HOLD", "backward", "AT_DTYPE_MAX"]
+    reports = _member_reports(root, tmp_path / "reports")
+    merged = merge_reports(reports)
+    assert [m.warnings for m in merged.members] == [m.warnings for m in result.members]

@@ -605,20 +605,21 @@ def _rank_lines(result: IncidentSet) -> list[Any]:
 
     split = any(v.code in _MISMATCHES for v in result.violations)
     header = ["rank", "member", *(("run", "step") if split else ()), "decision", "earliest"]
+    header += ["warnings", "first non-finite tensor, or first violation"]
     rows: list[list[str]] = []
     origin = set(result.origin_ranks)
     missing = list(result.missing)
     for member in sorted(result.members, key=lambda m: (m.rank is None, m.rank or 0, m.name)):
         while missing and member.rank is not None and missing[0].start < member.rank:
-            rows.append(_missing_row(missing.pop(0), len(header)))
+            rows.append(_missing_row(missing.pop(0), split))
         rows.append(_member_row(member, split, member.rank in origin))
-    rows += [_missing_row(run, len(header)) for run in missing]
-    header.append("first non-finite tensor, or first violation")
+    rows += [_missing_row(run, split) for run in missing]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    decision = header.index("decision")
     lines = [Text("Ranks", style="bold")]
     for number, row in enumerate([header, *rows]):
         cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
-        style = "dim" if number == 0 else _ROW_STYLE.get(row[len(header) - 3], "")
+        style = "dim" if number == 0 else _ROW_STYLE.get(row[decision], "")
         lines.append(Text("  " + "  ".join([*cells, row[-1]]).rstrip(), style=style))
     return lines
 
@@ -626,9 +627,9 @@ def _rank_lines(result: IncidentSet) -> list[Any]:
 _ROW_STYLE = {REJECTED: "yellow", HOLD: "red", "missing": "yellow"}
 
 
-def _missing_row(run: range, columns: int) -> list[str]:
+def _missing_row(run: range, split: bool) -> list[str]:
     rank = str(run.start) if len(run) == 1 else f"{run.start}-{run.stop - 1}"
-    return [rank, *(["-"] * (columns - 3)), "missing", "-", ""]
+    return [rank, "-", *(("-", "-") if split else ()), "missing", "-", "-", ""]
 
 
 def _member_row(member: SetMember, split: bool, origin: bool) -> list[str]:
@@ -645,7 +646,17 @@ def _member_row(member: SetMember, split: bool, origin: bool) -> list[str]:
     cells = ["?" if member.rank is None else str(member.rank), member.name]
     if split:
         cells += [declared.run_id or "?", "?" if declared.step is None else str(declared.step)]
-    return [*cells, member.decision, member.earliest_nonfinite_stage or "-", detail]
+    stage = member.earliest_nonfinite_stage or "-"
+    return [*cells, member.decision, stage, _warning_summary(member.warnings), detail]
+
+
+def _warning_summary(codes: Sequence[str]) -> str:
+    """Each warning code once, with how many times it fired: ``NEAR_DTYPE_MAX x2``."""
+    counts: dict[str, int] = {}
+    for code in codes:
+        counts[code] = counts.get(code, 0) + 1
+    shown = [code if n == 1 else f"{code} x{n}" for code, n in counts.items()]
+    return ",".join(shown) or "-"
 
 
 def _outcome_decision(outcome: Outcome) -> str:

@@ -78,6 +78,7 @@ class SetMember:
     violations: tuple[Violation, ...]  # a rejected member's; () when accepted
     document: Mapping[str, Any] = field(compare=False)  # its full report, as JSON has it
     report: Report | None = field(default=None, compare=False)  # when judged here
+    warnings: tuple[str, ...] = ()  # its early-warning codes, in the report's order
 
     @classmethod
     def of(cls, name: str, judgement: Judgement) -> SetMember:
@@ -97,6 +98,7 @@ class SetMember:
                 (),
                 report_document(report),
                 report,
+                tuple(warning.code for warning in report.warnings),
             )
         assert judgement.rejection is not None
         error = judgement.rejection
@@ -380,6 +382,7 @@ def _member_document(member: SetMember) -> dict[str, Any]:
         "decision": member.decision,
         "earliest_nonfinite_stage": member.earliest_nonfinite_stage,
         "first_nonfinite_tensor": member.first_nonfinite_tensor,
+        "warnings": list(member.warnings),
         "report": dict(member.document),
     }
 

@@ -178,7 +178,20 @@ def _accepted(document: Mapping[str, Any], name: str, decision: str) -> SetMembe
     if isinstance(tensor, str) and not tensor.isprintable():
         tensor = quote(tensor)
     content_id = _content_id(document)
-    return SetMember(name, declared, decision, stage, tensor, content_id, (), document)
+    warnings = _warning_codes(document.get("warnings", []))
+    return SetMember(
+        name, declared, decision, stage, tensor, content_id, (), document, warnings=warnings
+    )
+
+
+def _warning_codes(value: Any) -> tuple[str, ...]:
+    """The codes of a report's early warnings (none in a report from before them)."""
+    if not isinstance(value, list):
+        raise _Invalid("warnings is not a list")
+    codes = [item.get("code") if isinstance(item, dict) else None for item in value]
+    if not all(isinstance(code, str) and _CODE.fullmatch(code) for code in codes):
+        raise _Invalid("a warning code is not an upper-case code")
+    return tuple(str(code) for code in codes)
 
 
 def _rejected(document: Mapping[str, Any], name: str) -> SetMember:
