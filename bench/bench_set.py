@@ -15,9 +15,9 @@ times, alternating round by round, each in its own process:
   ``nanrunbook.check_bundle`` (each with every worker) in one ``python -c``:
   what the set would cost without scheduling members together.
 
-It prints the median wall time of each, the set / bundle ratio (the target is
-about 1.0: a set checks as fast as one bundle of the same bytes), and the peak
-RSS of each process.
+It prints the median wall and CPU (user + system) time of each, the set / bundle
+ratios (the target is about 1.0: a set checks as fast as one bundle of the same
+bytes), and the peak RSS of each process.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_check import Command, nanrunbook_argv  # noqa: E402
+from bench_check import Command, nanrunbook_argv, run_rounds, tree_env  # noqa: E402
 from bundlegen import ensure_bundle, parse_size, show_size, tensor_files  # noqa: E402
 
 SET_LAYOUT_VERSION = 1  # bump when the generated set changes
@@ -99,34 +99,26 @@ def main() -> None:
     set_bytes = sum(f.stat().st_size for m in incident.glob("rank-*") for f in tensor_files(m))
     bundle_bytes = sum(f.stat().st_size for f in tensor_files(bundle))
     check = nanrunbook_argv()
+    env = tree_env(ROOT)  # this checkout's code, whatever is installed
     commands = [
-        Command("bundle", [*check, "check", "--format", "kv", str(bundle)], expect=1),
-        Command("set", [*check, "check", "--format", "kv", str(incident)], expect=1),
-        Command("serial", [sys.executable, "-c", SERIAL, str(incident)], expect=1),
+        Command("bundle", [*check, "check", "--format", "kv", str(bundle)], expect=1, env=env),
+        Command("set", [*check, "check", "--format", "kv", str(incident)], expect=1, env=env),
+        Command("serial", [sys.executable, "-c", SERIAL, str(incident)], expect=1, env=env),
     ]
     print(f"bundle     {bundle} ({bundle_bytes / 2**30:.2f} GiB)")
     print(f"set        {incident} ({set_bytes / 2**30:.2f} GiB in {args.members} members)")
     print(f"machine    {os.cpu_count()} CPUs; 1-min load {os.getloadavg()[0]:.2f} before")
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "nanrunbook")], check=True)
-    for command in commands:  # warm-up: every file in the page cache
-        command.run()
-        command.walls.clear()
-        command.rss_kib.clear()
-    for round_ in range(args.runs):
-        order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
-        for command in order:
-            command.run()
-        print(
-            f"round {round_ + 1}/{args.runs}: "
-            + "  ".join(f"{c.name} {c.walls[-1]:.3f}s" for c in commands),
-            flush=True,
-        )
+    run_rounds(commands, args.runs)
     by = {c.name: c for c in commands}
     print()
-    print(f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}")
+    print(
+        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7} {'peak RSS MB':>12}"
+    )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f" {c.peak_mb:12.1f}"
         )
     per_round = [s / b for s, b in zip(by["set"].walls, by["bundle"].walls, strict=True)]
     print()
@@ -135,6 +127,8 @@ def main() -> None:
         f" per-round ratios {statistics.median(per_round):.2f}; target about 1.0)"
     )
     print(f"serial / set    {by['serial'].median / by['set'].median:.2f} x")
+    cpu = by["set"].cpu / by["bundle"].cpu
+    print(f"cpu set/bundle  {cpu:.2f} x  (median user + system: less sensitive to load)")
     print(f"1-min load      {os.getloadavg()[0]:.2f} after (2 CPUs: above ~0.5, others ran too)")
 
 
