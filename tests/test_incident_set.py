@@ -782,3 +782,25 @@ def test_each_rank_shows_its_warnings(tmp_path: Path) -> None:
     reports = _member_reports(root, tmp_path / "reports")
     merged = merge_reports(reports)
     assert [m.warnings for m in merged.members] == [m.warnings for m in result.members]
+
+
+def test_hostile_member_names_stay_inert_in_every_format(tmp_path: Path) -> None:
+    root = tmp_path / "set"
+    rank_bundle(root / "evil\n\x1b[31mred\u202e", rank=0, world_size=2, hold="input")
+    rank_bundle(root / "rank-00001", rank=1, world_size=2)
+    reject_data(root / "rank-00001")
+    shutil.copytree(root / "rank-00001", root / "x\x07\n=y")  # a duplicate: the set is rejected
+    for fmt in ("text", "json", "kv"):
+        done = run("check", "--format", fmt, str(root))
+        assert done.returncode == 3, done.stderr
+        assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+        assert "\u202e" not in done.stdout
+        if fmt == "kv":
+            for line in done.stdout.splitlines():
+                key, _, value = line.partition("=")
+                assert key and all(c.isalnum() or c in "._/+=@:,[]$- ?" for c in value), line
+            # The quoted name sorts first: rank-00001 is the duplicate; the copy's own
+            # violations show as [?].
+            lines = done.stdout.splitlines()
+            assert "violation=SET_RANK_DUPLICATE rank-00001" in lines
+            assert "violation=DIGEST_MISMATCH [?]/$.stages[4].tensors[1].sha256" in lines

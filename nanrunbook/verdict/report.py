@@ -240,10 +240,14 @@ def rejection_document(
 
 
 def path_text(path: str) -> str:
-    """A path as JSON can carry it: a file name that is not UTF-8 (which Python
-    keeps as lone surrogates) gets backslash escapes instead of failing the output."""
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return path.encode("utf-8", "backslashreplace").decode("utf-8")
-    return path
+    """A path as JSON carries it: as given when it is printable UTF-8; otherwise
+    (a control or bidi character, a file name that is not UTF-8, which Python keeps
+    as lone surrogates) with every character outside ASCII or printable escaped."""
+    if path.isprintable():
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        else:
+            return path
+    return ascii(path)[1:-1]
