@@ -18,8 +18,8 @@ from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.followup import Evidence, checklist_for
 from nanrunbook.verdict.report import Report
-from nanrunbook.verdict.runbook import checklist
 
 __all__ = ["check_bundle"]
 
@@ -75,5 +75,5 @@ def check_bundle(
         manifest=manifest,
         stages=findings,
         decision=decision,
-        checklist=checklist(decision.earliest_nonfinite_stage),
+        checklist=checklist_for(Evidence(str(bundle), manifest, findings, decision)),
     )

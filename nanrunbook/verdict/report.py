@@ -14,6 +14,7 @@ from nanrunbook.contract import CONTRACT_VERSION, HOLD
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.exits import Exit
 from nanrunbook.records import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
+from nanrunbook.verdict.evidence import reported_magnitude
 from nanrunbook.verdict.runbook import Section
 
 __all__ = ["REPORT_FORMAT", "Report", "rejection_document", "report_document"]
@@ -44,9 +45,7 @@ class Report:
 
     def reported_magnitude(self, stage: StageFinding, stored: float | None) -> float | None:
         """A stored magnitude as reported: scaled gradients are divided by the scale."""
-        if stored is None or stage.record.gradients != "scaled":
-            return stored
-        return stored / self.scaler.scale
+        return reported_magnitude(stage, stored, self.scaler)
 
 
 def _counts(counts: Counts | None) -> dict[str, int] | None:

@@ -1,0 +1,417 @@
+"""The checklist that follows the verdict and names this bundle's evidence.
+
+``nanrunbook checklist`` prints the whole runbook (:mod:`runbook`). A report
+carries only the steps its verdict calls for, in the runbook's words, each
+naming the tensors, stages, scale transition and finite extremes it refers to.
+A CONTINUE never says "hold the update"; a HOLD at input, the first boundary,
+points at the input data contract, not at stages upstream of it.
+
+The checklist is data built here; renderers only show it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanrunbook.dtypes import DTYPES
+from nanrunbook.records import Decision, Manifest, StageFinding, TensorFinding
+from nanrunbook.verdict.evidence import (
+    counts_phrase,
+    headroom_bits,
+    number,
+    reported_magnitude,
+    shape_text,
+    stages_before,
+)
+from nanrunbook.verdict.runbook import STAGE_STEPS, Section, Step, find_step
+
+__all__ = ["Evidence", "checklist_for"]
+
+# Dtypes in which autocast runs reduced precision: a replay in F32 is a real change.
+_REDUCED = frozenset({"F16", "BF16"}) | {
+    name for name in DTYPES if name.startswith(("F8", "F6", "F4"))
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """One accepted bundle's facts, as the checklist refers to them."""
+
+    bundle: str
+    manifest: Manifest
+    stages: tuple[StageFinding, ...]
+    decision: Decision
+
+    @property
+    def earliest(self) -> int | None:
+        """Index of the earliest non-finite stage, None on CONTINUE."""
+        name = self.decision.earliest_nonfinite_stage
+        return (
+            None if name is None else next(i for i, s in enumerate(self.stages) if s.stage == name)
+        )
+
+    def bound(self, item: str) -> str:
+        """A binding item's id (every item has one in an accepted manifest)."""
+        return self.manifest.binding.ids.get(item, "?")
+
+    def magnitude(self, stage: StageFinding, stored: float) -> str:
+        """A stored magnitude as a person reads it; scaled gradients say both."""
+        shown = reported_magnitude(stage, stored, self.manifest.binding.scaler)
+        assert shown is not None
+        if shown == stored:
+            return number(stored)
+        return f"{number(shown)} unscaled ({number(stored)} as stored)"
+
+
+def _step(step_id: str, detail: str) -> Step:
+    """The runbook's step, its detail naming this bundle's evidence."""
+    return Step(step_id, find_step(step_id).title, detail)
+
+
+def checklist_for(evidence: Evidence) -> tuple[Section, ...]:
+    """The sections this verdict calls for, in the order they are worked."""
+    earliest = evidence.earliest
+    if earliest is None:
+        return (_bounded_diagnostics(evidence),)
+    stage = evidence.stages[earliest]
+    specific = STAGE_STEPS[stage.stage]
+    steps = _STAGE_BUILDERS[stage.stage](evidence, stage)
+    return (
+        Section(specific.id, specific.title, steps),
+        _containment(evidence),
+        _replay(evidence, earliest),
+    )
+
+
+# ---------------------------------------------------------------- the facts named
+
+
+def _first_tensor(evidence: Evidence, stage: StageFinding) -> TensorFinding | None:
+    name = evidence.decision.first_nonfinite_tensor
+    return next((t for t in stage.tensors if t.entry.name == name), None)
+
+
+def _first_named(evidence: Evidence, stage: StageFinding) -> str:
+    """``grad/w (F16 16x8: 1 -inf of 128 elements)``; a summary has no per-tensor counts."""
+    tensor = _first_tensor(evidence, stage)
+    if tensor is None or tensor.counts is None:
+        assert stage.counts is not None
+        return f"{counts_phrase(stage.counts)} in the {stage.stage} summary (no per-tensor counts)"
+    entry = tensor.entry
+    return f"{entry.name} ({entry.dtype} {shape_text(entry.shape)}: {counts_phrase(tensor.counts)})"
+
+
+def _first_of_kind(evidence: Evidence, stage: StageFinding, kind: str) -> str:
+    """``X is the first non-finite gradient in capture order``, or why it is unknown."""
+    if evidence.decision.first_nonfinite_tensor is None:
+        return f"{_first_named(evidence, stage)}: the first non-finite {kind} is unknown"
+    return f"{_first_named(evidence, stage)} is the first non-finite {kind} in capture order"
+
+
+def _symptom(evidence: Evidence, stage: StageFinding) -> str:
+    """What replay must find again: the first tensor, or the stage when it is unknown."""
+    name = evidence.decision.first_nonfinite_tensor
+    where = f"the {stage.stage} stage to go non-finite first"
+    return f"{where}, at {name}" if name else where
+
+
+def _peak(evidence: Evidence, indices: range) -> tuple[StageFinding, TensorFinding, float] | None:
+    """The recounted floating tensor closest to its dtype's limit among these stages."""
+    best: tuple[StageFinding, TensorFinding, float] | None = None
+    for index in indices:
+        stage = evidence.stages[index]
+        for tensor in stage.tensors:
+            bits = headroom_bits(tensor.entry.dtype, tensor.finite_max_abs)
+            if bits is not None and (best is None or bits < best[2]):
+                best = (stage, tensor, bits)
+    return best
+
+
+Peak = tuple[StageFinding, TensorFinding, float]
+
+
+def _peak_phrase(evidence: Evidence, peak: Peak) -> str:
+    """``act/x (forward, F16) reached 65504, exactly F16's largest finite value``."""
+    stage, tensor, bits = peak
+    dtype = tensor.entry.dtype
+    assert tensor.finite_max_abs is not None
+    limit = (
+        f"exactly {dtype}'s largest finite value"
+        if bits == 0
+        else f"{bits:.1f} bits below {dtype}'s max"
+    )
+    reached = evidence.magnitude(stage, tensor.finite_max_abs)
+    return f"{tensor.entry.name} ({stage.stage}, {dtype}) reached {reached}, {limit}"
+
+
+def _upstream_phrase(evidence: Evidence, earliest: int) -> str:
+    """The finite extreme closest to its limit upstream of the earliest stage and how
+    far upstream, as in ``act/encoder.4 (forward, F16) reached 61000, 0.1 bits below
+    F16's max, one stage before the first non-finite tensor``."""
+    peak = _peak(evidence, range(earliest))
+    if peak is None:
+        return "no upstream stage holds a recounted finite non-zero floating value"
+    target = (
+        "the first non-finite tensor"
+        if evidence.decision.first_nonfinite_tensor
+        else "the first non-finite stage"
+    )
+    distance = stages_before(earliest - evidence.stages.index(peak[0]))
+    return f"{_peak_phrase(evidence, peak)}, {distance} {target}"
+
+
+# ---------------------------------------------------------------- CONTINUE
+
+
+def _bounded_diagnostics(evidence: Evidence) -> Section:
+    manifest = evidence.manifest
+    binding = manifest.binding
+    total = sum(s.counts.elements for s in evidence.stages if s.counts is not None)
+    peak = _peak(evidence, range(len(evidence.stages)))
+    extremes = (
+        f"The finite value closest to its dtype's limit: {_peak_phrase(evidence, peak)}."
+        if peak
+        else "No recounted floating tensor holds a finite non-zero value."
+    )
+    return Section(
+        "bounded-diagnostics",
+        "Bounded diagnostics",
+        (
+            _step(
+                "read-continue",
+                f"All {total} elements captured at the five boundaries of step {manifest.step} "
+                f"(rank {binding.rank} of {binding.world_size}) are finite: nothing here needs "
+                "holding, and nothing here explains the alert.",
+            ),
+            _step("look-at-warnings", extremes),
+            _step(
+                "check-other-signals",
+                f"Look for the alert's source outside this evidence: another step than "
+                f"{manifest.step}, another rank, the loss logging or reduction path, or "
+                "evaluation.",
+            ),
+            _step(
+                "keep-capturing",
+                "Keep the five boundaries guarded so the next non-finite step leaves a bundle; "
+                f"compare it with {manifest.evidence_id}.",
+            ),
+        ),
+    )
+
+
+# ---------------------------------------------------------------- HOLD: the stage
+
+
+def _input_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+    first = _first_named(evidence, stage)
+    return (
+        _step(
+            "validate-batch",
+            f"{first}: check batch {evidence.bound('batch')} of data "
+            f"{evidence.bound('data')} against the data contract: value ranges, label ids, "
+            "masks.",
+        ),
+        _step(
+            "reload-samples",
+            f"Load the batch again from loader cursor {evidence.bound('loader_cursor')} with "
+            f"random state {evidence.bound('random_state')}, and expect "
+            f"{_symptom(evidence, stage)}, before any model code runs.",
+        ),
+        _step(
+            "trace-preprocessing",
+            "Input is the first boundary: nothing upstream of it was captured. Look for a log "
+            "of zero, a division by a zero standard deviation or a corrupt shard of data "
+            f"{evidence.bound('data')}; quarantine the shard, do not skip silently.",
+        ),
+    )
+
+
+def _forward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+    compute = evidence.manifest.binding.compute_dtype
+    if compute in _REDUCED:
+        fp32 = (
+            f"The forward ran in {compute}: replay it with autocast off; if it stays finite, "
+            "look at overflow in reduced precision (attention logits, exp, large matmul sums)."
+        )
+    else:
+        fp32 = (
+            f"The forward already ran in {compute}: precision alone is not the change to "
+            "try; look at the module's exp, division, log and large sums."
+        )
+    return (
+        _step(
+            "first-module",
+            f"{_first_of_kind(evidence, stage, 'activation')}; replay the forward with hooks "
+            "in execution order: it names a module, not a cause.",
+        ),
+        _step("forward-in-fp32", fp32),
+    )
+
+
+def _loss_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+    binding = evidence.manifest.binding
+    if binding.compute_dtype in _REDUCED:
+        fp32 = (
+            f"The compute dtype was {binding.compute_dtype}: compute the loss from logits "
+            "with a fused log-softmax loss in F32, not as a log of probabilities."
+        )
+    else:
+        fp32 = (
+            f"The compute dtype was already {binding.compute_dtype}: check that the loss "
+            "takes logits through a fused log-softmax, not a log of probabilities."
+        )
+    return (
+        _step(
+            "objective-reduction",
+            f"{_first_named(evidence, stage)}: objective {evidence.bound('objective')} "
+            f"reduces by {binding.reduction}; a mean over zero valid elements is 0/0, a log "
+            "of a zero probability is -inf.",
+        ),
+        _step("loss-in-fp32", fp32),
+    )
+
+
+def _backward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+    return (
+        _step(
+            "gradient-path",
+            f"{_first_of_kind(evidence, stage, 'gradient')}: start there, then walk back "
+            "through the forward activations that feed it.",
+        ),
+        _step("loss-scaling", _scaling_detail(evidence, stage)),
+    )
+
+
+def _scaling_detail(evidence: Evidence, stage: StageFinding) -> str:
+    scaler = evidence.manifest.binding.scaler
+    if scaler.mode == "none":
+        return (
+            f"No loss scale (compute dtype {evidence.manifest.binding.compute_dtype}): "
+            "without one, small F16 gradients underflow; the overflow is not the scaler's."
+        )
+    if scaler.mode == "static":
+        transition = f"A static scale of {number(scaler.scale)} multiplies every gradient"
+    else:
+        assert scaler.scale_after is not None
+        transition = (
+            f"The scale went {number(scaler.scale)} -> {number(scaler.scale_after)} with "
+            f"found_inf {str(scaler.found_inf).lower()}"
+        )
+        if scaler.step_skipped:
+            transition += " and the update was skipped: evidence of overflow, not recovery"
+    if stage.record.gradients == "scaled":
+        return f"{transition}; these gradients were probed scaled: unscale before any threshold."
+    return f"{transition}; these gradients were probed after unscale_."
+
+
+def _optimizer_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+    gradients = evidence.stages[evidence.stages.index(stage) - 1]
+    if gradients.status == "OBSERVED" and gradients.finite_max_abs is not None:
+        largest = evidence.magnitude(gradients, gradients.finite_max_abs)
+        fed = f"finite gradients (largest {largest})"
+    else:
+        fed = "gradients that were not captured"
+    return (
+        _step(
+            "optimizer-state",
+            f"Optimizer {evidence.bound('optimizer')} turned {fed} into "
+            f"{_first_named(evidence, stage)}: look at second moments near zero with a small "
+            "eps, state kept in reduced precision, and the learning rate from scheduler "
+            f"{evidence.bound('scheduler')}.",
+        ),
+        _step(
+            "update-size",
+            "Compare the proposed update with the parameters: finite gradients with a "
+            "non-finite update point at the optimizer, not the model.",
+        ),
+    )
+
+
+_STAGE_BUILDERS: dict[str, Callable[[Evidence, StageFinding], tuple[Step, ...]]] = {
+    "input": _input_steps,
+    "forward": _forward_steps,
+    "loss": _loss_steps,
+    "backward": _backward_steps,
+    "optimizer": _optimizer_steps,
+}
+
+
+# ---------------------------------------------------------------- HOLD: containment, replay
+
+
+def _hold_detail(evidence: Evidence) -> str:
+    optimizer = evidence.stages[-1]
+    scaler = evidence.manifest.binding.scaler
+    step = evidence.manifest.step
+    if optimizer.status == "NOT_RUN" and scaler.step_skipped:
+        done = f"The scaler skipped optimizer.step() for step {step}: keep it skipped on retry"
+    elif optimizer.status == "NOT_RUN":
+        done = f"The optimizer did not run for step {step}: keep it from running on this evidence"
+    else:
+        done = f"The optimizer stage ran to its probe: do not apply its update for step {step}"
+    return f"{done}, and pause checkpoint promotion."
+
+
+def _containment(evidence: Evidence) -> Section:
+    manifest = evidence.manifest
+    lkg = manifest.last_known_good
+    stage = evidence.stages[evidence.earliest or 0]
+    return Section(
+        "containment",
+        "Containment",
+        (
+            _step("hold-the-update", _hold_detail(evidence)),
+            _step(
+                "preserve-the-boundary",
+                f"Keep {evidence.bundle}, batch {evidence.bound('batch')}, loader cursor "
+                f"{evidence.bound('loader_cursor')} and random state "
+                f"{evidence.bound('random_state')} exactly as captured.",
+            ),
+            _step(
+                "mark-last-known-good",
+                f"{lkg.checkpoint_id} at step {lkg.step}, {manifest.step - lkg.step} steps "
+                "earlier, verified together; nothing after it is trusted.",
+            ),
+            _step(
+                "choose-replay-authority",
+                f"One owner decides how step {manifest.step} is replayed: incident owner "
+                f"{manifest.incident_owner}, with {stage.record.owner} for {stage.stage}.",
+            ),
+        ),
+    )
+
+
+def _replay(evidence: Evidence, earliest: int) -> Section:
+    manifest = evidence.manifest
+    stage = evidence.stages[earliest]
+    steps = [
+        _step(
+            "reproduce-without-update",
+            f"Replay step {manifest.step} from {manifest.last_known_good.checkpoint_id} on "
+            "copies of model, optimizer and scaler (nanrunbook.capture.torch.replay_step); "
+            f"expect {_symptom(evidence, stage)}.",
+        )
+    ]
+    if earliest > 0:  # input has no upstream
+        steps.append(_step("inspect-upstream-extremes", _upstream_phrase(evidence, earliest) + "."))
+    steps += [
+        _step("change-one-mechanism", _mechanisms(evidence)),
+        _step(
+            "prove-recovery",
+            "Resume only after a replay with the fix passes several steps with all five "
+            "boundaries finite and a fresh bundle checks CONTINUE_BOUNDED_DIAGNOSTICS.",
+        ),
+    ]
+    return Section("replay", "Replay", tuple(steps))
+
+
+def _mechanisms(evidence: Evidence) -> str:
+    binding = evidence.manifest.binding
+    options = []
+    if binding.compute_dtype in _REDUCED:
+        options.append(f"F32 instead of {binding.compute_dtype} autocast")
+    if binding.scaler.mode != "none":
+        options.append(f"a lower scale than {number(binding.scaler.scale)}")
+    options += [f"another batch than {evidence.bound('batch')}", "another kernel"]
+    return f"Alter one thing per replay ({', '.join(options)}) and record each outcome."
