@@ -232,7 +232,7 @@ def test_text_report_plain_when_not_a_terminal() -> None:
     assert "grad/layers.0.weight" in result.stdout
     assert "evidence of overflow, not recovery" in result.stdout
     # The report ends with the replay steps, the earliest stage's specifics first.
-    tail = result.stdout[result.stdout.index("Replay checklist") :]
+    tail = result.stdout[result.stdout.index("Checklist (whole runbook: nanrunbook checklist)") :]
     assert tail.index("Backward stage specifics") < tail.index("Reproduce without an update")
 
 

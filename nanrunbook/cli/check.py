@@ -32,6 +32,14 @@ def check(
     max_stage_elements: MaxStageElements = DEFAULT_CAPS.max_stage_elements,
     max_bundle_elements: MaxBundleElements = DEFAULT_CAPS.max_bundle_elements,
     max_stage_tensors: MaxStageTensors = DEFAULT_CAPS.max_stage_tensors,
+    brief: Annotated[
+        bool,
+        typer.Option(
+            "--brief",
+            help="Text format only: at most six lines (verdict, earliest stage, first tensor, "
+            "action, warnings, bundle), never wrapped.",
+        ),
+    ] = False,
 ) -> None:
     """Judge an evidence bundle: HOLD (exit 1), CONTINUE (exit 0) or rejected (exit 3).
 
@@ -39,10 +47,18 @@ def check(
     on missing evidence.
 
     Example: nanrunbook check fixtures/hold-backward-dynamic-skip --format kv
+
+    Example: nanrunbook check --brief fixtures/hold-backward-dynamic-skip
     """
     from nanrunbook.cli.judge import judge
 
+    if brief and format is not CheckFormat.text:
+        raise typer.BadParameter(
+            f"--brief shortens the text format; --format {format.value} is already for scripts",
+            param_hint="'--brief'",
+        )
     caps = caps_from(max_stage_elements, max_bundle_elements, max_stage_tensors)
     # A progress bar on stderr at a terminal, text format only.
-    code = judge(bundle, format.value, sys.stdout, caps=caps, progress=format is CheckFormat.text)
+    text = format is CheckFormat.text
+    code = judge(bundle, format.value, sys.stdout, caps=caps, progress=text, brief=brief)
     raise typer.Exit(code)

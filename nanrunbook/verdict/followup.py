@@ -112,8 +112,7 @@ def _first_of_kind(evidence: Evidence, stage: StageFinding, kind: str) -> str:
 def _symptom(evidence: Evidence, stage: StageFinding) -> str:
     """What replay must find again: the first tensor, or the stage when it is unknown."""
     name = evidence.decision.first_nonfinite_tensor
-    where = f"the {stage.stage} stage to go non-finite first"
-    return f"{where}, at {name}" if name else where
+    return f"{name} non-finite again" if name else f"{stage.stage} non-finite again"
 
 
 def _peak(evidence: Evidence, indices: range) -> tuple[StageFinding, TensorFinding, float] | None:
@@ -208,21 +207,19 @@ def _input_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
     return (
         _step(
             "validate-batch",
-            f"{first}: check batch {evidence.bound('batch')} of data "
-            f"{evidence.bound('data')} against the data contract: value ranges, label ids, "
-            "masks.",
+            f"{first}: check batch {evidence.bound('batch')} of data {evidence.bound('data')} "
+            "for value ranges, label ids and masks.",
         ),
         _step(
             "reload-samples",
-            f"Load the batch again from loader cursor {evidence.bound('loader_cursor')} with "
-            f"random state {evidence.bound('random_state')}, and expect "
-            f"{_symptom(evidence, stage)}, before any model code runs.",
+            f"Load it again from loader cursor {evidence.bound('loader_cursor')} with random "
+            f"state {evidence.bound('random_state')}; expect {_symptom(evidence, stage)}.",
         ),
         _step(
             "trace-preprocessing",
-            "Input is the first boundary: nothing upstream of it was captured. Look for a log "
-            "of zero, a division by a zero standard deviation or a corrupt shard of data "
-            f"{evidence.bound('data')}; quarantine the shard, do not skip silently.",
+            "Input is the first boundary, with nothing upstream: look for a log of zero, a "
+            f"zero standard deviation or a corrupt shard of {evidence.bound('data')}; "
+            "quarantine it, never skip silently.",
         ),
     )
 
@@ -277,7 +274,7 @@ def _backward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]
         _step(
             "gradient-path",
             f"{_first_of_kind(evidence, stage, 'gradient')}: start there, then walk back "
-            "through the forward activations that feed it.",
+            "through the activations that feed it.",
         ),
         _step("loss-scaling", _scaling_detail(evidence, stage)),
     )
@@ -295,14 +292,14 @@ def _scaling_detail(evidence: Evidence, stage: StageFinding) -> str:
     else:
         assert scaler.scale_after is not None
         transition = (
-            f"The scale went {number(scaler.scale)} -> {number(scaler.scale_after)} with "
-            f"found_inf {str(scaler.found_inf).lower()}"
+            f"The scale went {number(scaler.scale)} -> {number(scaler.scale_after)} "
+            f"(found_inf {str(scaler.found_inf).lower()})"
         )
         if scaler.step_skipped:
-            transition += " and the update was skipped: evidence of overflow, not recovery"
+            transition += " and the update was skipped"
     if stage.record.gradients == "scaled":
-        return f"{transition}; these gradients were probed scaled: unscale before any threshold."
-    return f"{transition}; these gradients were probed after unscale_."
+        return f"{transition}; the gradients were probed scaled: unscale before any threshold."
+    return f"{transition}; the gradients were probed after unscale_."
 
 
 def _optimizer_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
@@ -345,12 +342,12 @@ def _hold_detail(evidence: Evidence) -> str:
     scaler = evidence.manifest.binding.scaler
     step = evidence.manifest.step
     if optimizer.status == "NOT_RUN" and scaler.step_skipped:
-        done = f"The scaler skipped optimizer.step() for step {step}: keep it skipped on retry"
+        done = f"The scaler skipped optimizer.step() at step {step}: keep it skipped on retry"
     elif optimizer.status == "NOT_RUN":
-        done = f"The optimizer did not run for step {step}: keep it from running on this evidence"
+        done = f"The optimizer did not run at step {step}: keep it from running on this evidence"
     else:
-        done = f"The optimizer stage ran to its probe: do not apply its update for step {step}"
-    return f"{done}, and pause checkpoint promotion."
+        done = f"The optimizer stage ran to its probe: do not apply its update of step {step}"
+    return f"{done}; pause checkpoint promotion."
 
 
 def _containment(evidence: Evidence) -> Section:
@@ -364,19 +361,19 @@ def _containment(evidence: Evidence) -> Section:
             _step("hold-the-update", _hold_detail(evidence)),
             _step(
                 "preserve-the-boundary",
-                f"Keep {evidence.bundle}, batch {evidence.bound('batch')}, loader cursor "
+                f"Keep this bundle, batch {evidence.bound('batch')}, loader cursor "
                 f"{evidence.bound('loader_cursor')} and random state "
                 f"{evidence.bound('random_state')} exactly as captured.",
             ),
             _step(
                 "mark-last-known-good",
-                f"{lkg.checkpoint_id} at step {lkg.step}, {manifest.step - lkg.step} steps "
-                "earlier, verified together; nothing after it is trusted.",
+                f"{lkg.checkpoint_id} (step {lkg.step}, {manifest.step - lkg.step} steps "
+                "back); nothing after it is trusted.",
             ),
             _step(
                 "choose-replay-authority",
-                f"One owner decides how step {manifest.step} is replayed: incident owner "
-                f"{manifest.incident_owner}, with {stage.record.owner} for {stage.stage}.",
+                f"Incident owner {manifest.incident_owner} decides how step {manifest.step} "
+                f"is replayed, with {stage.record.owner} ({stage.stage}).",
             ),
         ),
     )
@@ -384,26 +381,34 @@ def _containment(evidence: Evidence) -> Section:
 
 def _replay(evidence: Evidence, earliest: int) -> Section:
     manifest = evidence.manifest
-    stage = evidence.stages[earliest]
-    steps = [
-        _step(
-            "reproduce-without-update",
-            f"Replay step {manifest.step} from {manifest.last_known_good.checkpoint_id} on "
-            "copies of model, optimizer and scaler (nanrunbook.capture.torch.replay_step); "
-            f"expect {_symptom(evidence, stage)}.",
+    if earliest == 0:
+        # Bad data is replayed by reloading it (the input steps); there is no graph
+        # to shrink and no upstream stage.
+        recovery = (
+            "Resume only after the repaired or quarantined data passes input finite and a "
+            "fresh bundle checks CONTINUE."
         )
-    ]
-    if earliest > 0:  # input has no upstream
-        steps.append(_step("inspect-upstream-extremes", _upstream_phrase(evidence, earliest) + "."))
-    steps += [
-        _step("change-one-mechanism", _mechanisms(evidence)),
-        _step(
-            "prove-recovery",
-            "Resume only after a replay with the fix passes several steps with all five "
-            "boundaries finite and a fresh bundle checks CONTINUE_BOUNDED_DIAGNOSTICS.",
+        return Section("replay", "Replay", (_step("prove-recovery", recovery),))
+    stage = evidence.stages[earliest]
+    return Section(
+        "replay",
+        "Replay",
+        (
+            _step(
+                "reproduce-without-update",
+                f"Replay step {manifest.step} from {manifest.last_known_good.checkpoint_id} "
+                "on copies (nanrunbook.capture.torch.replay_step); expect "
+                f"{_symptom(evidence, stage)}.",
+            ),
+            _step("inspect-upstream-extremes", _upstream_phrase(evidence, earliest) + "."),
+            _step("change-one-mechanism", _mechanisms(evidence)),
+            _step(
+                "prove-recovery",
+                "Resume only after the fixed replay runs several steps finite at all five "
+                "boundaries and a fresh bundle checks CONTINUE.",
+            ),
         ),
-    ]
-    return Section("replay", "Replay", tuple(steps))
+    )
 
 
 def _mechanisms(evidence: Evidence) -> str:
@@ -413,5 +418,5 @@ def _mechanisms(evidence: Evidence) -> str:
         options.append(f"F32 instead of {binding.compute_dtype} autocast")
     if binding.scaler.mode != "none":
         options.append(f"a lower scale than {number(binding.scaler.scale)}")
-    options += [f"another batch than {evidence.bound('batch')}", "another kernel"]
-    return f"Alter one thing per replay ({', '.join(options)}) and record each outcome."
+    options.append(f"another batch than {evidence.bound('batch')}")
+    return f"One per replay, each outcome recorded: {', '.join(options)}, another kernel."
