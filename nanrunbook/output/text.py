@@ -275,8 +275,9 @@ def _first_tensor(report: Report) -> str:
 
 
 def _stage_dtypes(stage: StageFinding) -> str:
-    """The stage's dtypes in capture order, each once: ``F32,I64``."""
-    return ",".join(dict.fromkeys(t.dtype for t in stage.record.tensors)) or "-"
+    """The stage's dtypes in capture order, each once (``F32,I64``); NOT_RUN when
+    the stage did not run, as it then has no tensors."""
+    return ",".join(dict.fromkeys(t.dtype for t in stage.record.tensors)) or stage.status
 
 
 def _stage_table(report: Report) -> Any:
@@ -286,7 +287,7 @@ def _stage_table(report: Report) -> Any:
     table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
     # On a narrow console words wrap; a number is never broken across lines (a
     # folded "160" would read as 16 and 0), it is cut with an ellipsis instead.
-    for column in ("stage", "status", "dtype", "counts"):
+    for column in ("stage", "dtype"):
         table.add_column(column, overflow="fold")
     for column in _NUMERIC:
         table.add_column(column, justify="right", no_wrap=True, overflow="ellipsis")
@@ -300,9 +301,7 @@ def _stage_table(report: Report) -> Any:
         magnitude = report.reported_magnitude(stage, stage.finite_max_abs)
         cells = [
             stage.stage,
-            stage.status,
             _stage_dtypes(stage),
-            stage.counts_source or "-",
             *(str(n) for n in numbers),
             "-" if magnitude is None else number(magnitude),
         ]
@@ -312,9 +311,14 @@ def _stage_table(report: Report) -> Any:
 
 
 def _stage_notes(report: Report) -> list[tuple[str, str]]:
-    """What the table cannot say: scaled magnitudes, why a stage did not run, the
-    loss scale and the recovery point."""
+    """What the table cannot say: counts not recounted, scaled magnitudes, why a
+    stage did not run, the loss scale and the recovery point."""
     notes = [
+        ("declared", f"{stage.stage}: counts of a summary, not recounted")
+        for stage in report.stages
+        if stage.counts_source == "declared"
+    ]
+    notes += [
         (stage.stage, f"gradients stored scaled: max abs divided by {report.scaler.scale:g}")
         for stage in report.stages
         if stage.record.gradients == "scaled" and stage.status == "OBSERVED"
