@@ -12,6 +12,7 @@ __all__ = [
     "Binding",
     "Counts",
     "Decision",
+    "Extremes",
     "LastKnownGood",
     "Manifest",
     "Scaler",
@@ -132,12 +133,39 @@ class Manifest:
 
 
 @dataclass(frozen=True, slots=True)
+class Extremes:
+    """The exact extremes of one floating tensor's finite values, read from its bits.
+
+    For C64 the values are the real and imaginary parts of its finite elements
+    (two per element). ``min``/``max`` are signed (``-0.0`` when the only values are
+    negative zeros); they, ``max_abs`` and ``min_nonzero_abs`` are None when there
+    is no finite value (or, for ``min_nonzero_abs``, no non-zero one).
+    """
+
+    values: int  # finite values these extremes cover
+    min: float | None
+    max: float | None
+    min_nonzero_abs: float | None  # smallest non-zero magnitude
+    zeros: int  # values equal to +0 or -0
+    subnormals: int  # non-zero values below the dtype's smallest normal magnitude
+
+    @property
+    def max_abs(self) -> float | None:
+        if self.min is None or self.max is None:
+            return None
+        return max(-self.min, self.max)
+
+
+@dataclass(frozen=True, slots=True)
 class TensorFinding:
     """A tensor after the check: recounted counts, or None for a summary entry."""
 
     entry: TensorEntry
     counts: Counts | None
     finite_max_abs: float | None
+    # Finite extremes of a recounted floating tensor; None for a summary entry, an
+    # integer or BOOL tensor, or a tensor whose file was not read.
+    extremes: Extremes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from nanrunbook.tensors.counting import combine
 from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 
-__all__ = ["CODES", "Progress", "verify_bundle"]
+__all__ = ["CODES", "Progress", "header_limit", "verify_bundle"]
 
 # A header holds at most the entries the manifest binds to its file; this much per
 # entry is far more than any writer needs, and the base leaves room for __metadata__.
@@ -33,6 +33,13 @@ __all__ = ["CODES", "Progress", "verify_bundle"]
 # header within the memory of a normal check.
 HEADER_BASE_BYTES = 4 * 1024 * 1024
 HEADER_BYTES_PER_ENTRY = 4096
+
+
+def header_limit(bound_entries: int) -> int:
+    """The longest header read from a file the manifest binds ``bound_entries``
+    tensor entries to (spec section 1): every command that reads headers uses it."""
+    return min(HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * bound_entries, MAX_HEADER_LEN)
+
 
 CODES = {
     "TENSOR_NOT_IN_FILE": "a manifest entry names a tensor its file does not hold",
@@ -153,9 +160,8 @@ class _FilePlan:
 
 
 def _plan_file(fd: int, relpath: str, bound: Sequence[_Bound]) -> _FilePlan:
-    limit = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * len(bound)
     try:
-        header = read_header(fd, relpath, max_header_len=min(limit, MAX_HEADER_LEN))
+        header = read_header(fd, relpath, max_header_len=header_limit(len(bound)))
     except EvidenceRejected as err:
         return _FilePlan(fd, relpath, bound, None, list(err.violations), [])
     refused = _binding_violations(header, relpath, bound)
@@ -263,7 +269,7 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         if scan is None:  # not read: a file-level violation is already reported
             findings.append(TensorFinding(entry, None, None))
             continue
-        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs))
+        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes))
     if any(entry.name not in scans for entry in stage.tensors):
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tuple(findings))
     total = combine(scans[entry.name].tally for entry in stage.tensors)
