@@ -198,9 +198,14 @@ def test_earliest_stage_lists_its_tensors_first_nonfinite_first_capped(tmp_path:
     names = re.findall(r"^  (act/block\.\d)\s", section, re.MULTILINE)
     assert names == ["act/block.2", "act/block.5", "act/block.0", "act/block.1", "act/block.3"]
     assert "  ... 3 more (all in --format json)" in section.splitlines()
-    row = next(line for line in section.splitlines() if line.startswith("  act/block.2 "))
-    assert row.split()[1:3] == ["F32", "4"]
-    assert "1 NaN of 4 elements, max abs 3" in row
+    rows = section.splitlines()
+    at = next(i for i, line in enumerate(rows) if line.startswith("  act/block.2 "))
+    assert rows[at].split() == ["act/block.2", "F32", "4", "1", "NaN", "of", "4", "elements"]
+    # Its extremes, exact from the data, on lines of their own under the counts.
+    assert rows[at + 1].index("finite") == rows[at].index("1 NaN")
+    assert " ".join(" ".join(rows[at + 1 : at + 3]).split()).startswith(
+        "finite 3..3; smallest non-zero |x| 3; 0 zeros, 0 subnormals"
+    )
     assert "owner         modeling-oncall, telemetry" in section
 
 

@@ -358,18 +358,34 @@ def _scaler_text(report: Report) -> str:
     return line
 
 
-def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) -> str:
+def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) -> list[str]:
+    """Counts, then on a line of their own the finite extremes (as reported: scaled
+    gradients divided by the scale) when the tensor's data was read."""
     if tensor.counts is None:  # a summary: the header says why there are no counts
-        return ""
-    facts = counts_phrase(tensor.counts)
-    magnitude = report.reported_magnitude(stage, tensor.finite_max_abs)
-    if magnitude is not None:
-        facts += f", max abs {number(magnitude)}"
-    return facts
+        return [""]
+    counts = counts_phrase(tensor.counts)
+    extremes = tensor.extremes
+    if extremes is None or extremes.min is None or extremes.max is None:
+        magnitude = report.reported_magnitude(stage, tensor.finite_max_abs)
+        return [counts if magnitude is None else f"{counts}, max abs {number(magnitude)}"]
+
+    def shown(value: float) -> str:
+        reported = report.reported_magnitude(stage, value)
+        assert reported is not None
+        return number(reported)
+
+    line = f"finite {shown(extremes.min)}..{shown(extremes.max)}"
+    if extremes.min_nonzero_abs is not None:
+        line += f"; smallest non-zero |x| {shown(extremes.min_nonzero_abs)}"
+    zeros = "zero" if extremes.zeros == 1 else "zeros"
+    subnormals = "subnormal" if extremes.subnormals == 1 else "subnormals"
+    line += f"; {extremes.zeros} {zeros}, {extremes.subnormals} {subnormals}"
+    return [counts, line]
 
 
 def _earliest_tensors(report: Report, stage: StageFinding) -> Any:
     """The stage's tensors, non-finite ones first (the first non-finite leads), capped."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
@@ -380,12 +396,15 @@ def _earliest_tensors(report: Report, stage: StageFinding) -> Any:
     grid.add_column(overflow="fold")
     for tensor in ordered[:_TENSORS_SHOWN]:
         entry = tensor.entry
-        cells = (entry.name, entry.dtype, shape_text(entry.shape))
-        grid.add_row(*(Text(c) for c in cells), Text(_tensor_facts(report, stage, tensor)))
+        first, *more = _tensor_facts(report, stage, tensor)
+        grid.add_row(Text(entry.name), entry.dtype, shape_text(entry.shape), first)
+        for line in more:
+            grid.add_row("", "", "", line)
     hidden = len(ordered) - _TENSORS_SHOWN
-    if hidden > 0:
-        grid.add_row(Text(f"... {hidden} more (all in --format json)"), "", "", "")
-    return _indented(grid, 2)
+    if hidden <= 0:
+        return _indented(grid, 2)
+    rest = Text(f"... {hidden} more (all in --format json)")
+    return _indented(Group(grid, rest), 2)
 
 
 def _print_earliest_stage(console: Any, report: Report) -> None:
