@@ -52,7 +52,9 @@ def contract(
     RENDERERS[format.value].contract(contract_document(caps), contract_content_id(caps), sys.stdout)
 
 
-@command("Print the whole runbook: containment, mixed precision, replay, hardening, after CONTINUE.")
+@command(
+    "Print the whole runbook: containment, mixed precision, replay, hardening, after CONTINUE."
+)
 @guarded
 def checklist(
     stage: Annotated[
