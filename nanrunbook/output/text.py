@@ -106,7 +106,10 @@ class TextRenderer(Renderer):
             return
         _print_verdict(console, report)
         _print_stages(console, report)
-        _print_earliest_stage(console, report)
+        if report.decision.earliest_nonfinite_stage is None:
+            _print_probes(console, report)
+        else:
+            _print_earliest_stage(console, report)
         _print_sections(
             console, report.checklist, heading="Checklist (whole runbook: nanrunbook checklist)"
         )
@@ -411,12 +414,7 @@ def _print_earliest_stage(console: Any, report: Report) -> None:
     from rich.text import Text
 
     name = report.decision.earliest_nonfinite_stage
-    if name is None:
-        # Nothing to single out: what was checked is where each boundary was probed.
-        _show(console, Text("Probes", style="bold"))
-        _show(console, _grid([(s.stage, s.record.probe_source) for s in report.stages]))
-        _show(console)
-        return
+    assert name is not None
     stage = next(s for s in report.stages if s.stage == name)
     record = stage.record
     _show(console, Text(f"Earliest non-finite stage: {name}", style="bold"))
@@ -430,6 +428,16 @@ def _print_earliest_stage(console: Any, report: Report) -> None:
         ),
     )
     _show(console, _earliest_tensors(report, stage))
+    _show(console)
+
+
+def _print_probes(console: Any, report: Report) -> None:
+    """On CONTINUE no stage is singled out: what was checked is where each boundary
+    was probed."""
+    from rich.text import Text
+
+    _show(console, Text("Probes", style="bold"))
+    _show(console, _grid([(s.stage, s.record.probe_source) for s in report.stages]))
     _show(console)
 
 
