@@ -1,6 +1,6 @@
 """Benchmark: ``nanrunbook check`` on a big bundle against the SHA-256 floor and torch.
 
-    python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch]
+    python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch] [--baseline DIR]
 
 Generates a bundle of ``--size`` bytes once into ``.bench-cache/`` (see
 ``bundlegen.py``), then times, alternating round by round so that the noise of
@@ -14,7 +14,13 @@ a shared machine falls on every command alike, each in its own subprocess:
 * ``tiny``   -- ``nanrunbook check`` on the smallest fixture: start-up cost;
 * ``library`` -- the same check as ``check`` through ``nanrunbook.check_bundle``
   and the kv renderer in a plain ``python -c``: the difference to ``check`` is
-  the cost of the command-line framework's start-up.
+  the cost of the command-line framework's start-up;
+* ``base``   -- with ``--baseline DIR``, ``nanrunbook check`` from another source
+  tree (say ``git archive`` of an earlier commit unpacked in DIR), so a change is
+  measured against its parent in the same rounds.
+
+``check`` and ``library`` run the nanrunbook of this checkout (``PYTHONPATH`` is
+set to it), whatever an installed copy points at.
 
 It prints the median wall time of each, the ratios, and the peak RSS of each
 subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
@@ -45,9 +51,15 @@ TINY = ROOT / "fixtures" / "continue-all-finite"
 # The same check and kv output through the library, without the CLI framework:
 # shows what the command line's own start-up costs.
 LIBRARY = (
-    "import sys; from nanrunbook import check_bundle; from nanrunbook.output.renderers import RENDERERS; "
-    "r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
+    "import sys; from nanrunbook import check_bundle;"
+    " from nanrunbook.output.renderers import RENDERERS;"
+    " r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
 )
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that makes a child import nanrunbook from ``tree``."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 @dataclass
@@ -55,12 +67,16 @@ class Command:
     name: str
     argv: list[str]
     expect: int  # exit status
+    env: dict[str, str] | None = None
     walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)  # user + system seconds
     rss_kib: list[int] = field(default_factory=list)
 
     def run(self) -> None:
         started = time.perf_counter()
-        process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env
+        )
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
         code = os.waitstatus_to_exitcode(status)
@@ -70,11 +86,16 @@ class Command:
         if process.stderr:
             process.stderr.close()
         self.walls.append(wall)
+        self.cpus.append(usage.ru_utime + usage.ru_stime)
         self.rss_kib.append(usage.ru_maxrss)  # KiB on Linux
 
     @property
     def median(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
 
     @property
     def peak_mb(self) -> float:
@@ -97,18 +118,25 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    parser.add_argument(
+        "--baseline", type=Path, help="another nanrunbook source tree, timed as 'base'"
+    )
     args = parser.parse_args()
 
     size = parse_size(args.size)
     bundle = ensure_bundle(args.cache, size)
     data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
     check = nanrunbook_argv()
+    mine = tree_env(ROOT)
     commands = [
-        Command("check", [*check, "check", "--format", "kv", str(bundle)], expect=1),
+        Command("check", [*check, "check", "--format", "kv", str(bundle)], 1, mine),
         Command("sha256", [sys.executable, str(HERE / "sha_floor.py"), str(bundle)], expect=0),
-        Command("tiny", [*check, "check", "--format", "kv", str(TINY)], expect=0),
-        Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], expect=1),
+        Command("tiny", [*check, "check", "--format", "kv", str(TINY)], 0, mine),
+        Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], 1, mine),
     ]
+    if args.baseline:
+        base_argv = [*check, "check", "--format", "kv", str(bundle)]
+        commands.append(Command("base", base_argv, 1, tree_env(args.baseline.resolve())))
     if args.no_torch:
         print("torch baseline skipped (--no-torch)")
     elif torch_available():
@@ -130,13 +158,16 @@ def main() -> None:
     print("           and the bundle fits in memory, so each timed run reads the page cache")
     # An installed package has its bytecode compiled (pip does it); this tree may not,
     # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "nanrunbook")], check=True)
+    for tree in [ROOT, *([args.baseline] if args.baseline else [])]:
+        compile_tree = [sys.executable, "-m", "compileall", "-q", str(tree / "nanrunbook")]
+        subprocess.run(compile_tree, check=True)
     print("bytecode   nanrunbook compiled first, as an installed package is")
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
     print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
     for command in commands:  # warm-up, untimed
         command.run()
         command.walls.clear()
+        command.cpus.clear()
         command.rss_kib.clear()
     for round_ in range(args.runs):
         order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
@@ -151,11 +182,13 @@ def main() -> None:
     by = {c.name: c for c in commands}
     print()
     print(
-        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}  (runs: {args.runs})"
+        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
+        f" {'peak RSS MB':>12}  (runs: {args.runs}; cpu: median user + system)"
     )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f" {c.peak_mb:12.1f}"
         )
     print()
     ratio = by["check"].median / by["sha256"].median
@@ -166,6 +199,16 @@ def main() -> None:
     if "torch" in by:
         speedup = by["torch"].median / by["check"].median
         print(f"torch / check         {speedup:.1f} x   (target >= 5)")
+    if "base" in by:
+        base = by["base"]
+        print(
+            f"base / sha256 floor   {base.median / by['sha256'].median:.2f} x   "
+            f"check / base {by['check'].median / base.median:.3f} x   ({args.baseline})"
+        )
+        print(
+            f"cpu: check / base     {by['check'].cpu / base.cpu:.3f} x   "
+            f"check / sha256 {by['check'].cpu / by['sha256'].cpu:.2f} x (less sensitive to load)"
+        )
     lib = by["library"].median / by["sha256"].median
     print(f"library / sha256      {lib:.2f} x   (the same check without the CLI framework)")
     print(

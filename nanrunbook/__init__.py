@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from nanrunbook.contract import Caps, contract_content_id, contract_document
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.precision import WarningThresholds, headroom
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -37,6 +38,8 @@ _LAZY = {
     "Violation": ".errors",
     "Report": ".verdict.report",
     "report_document": ".verdict.report",
+    "WarningThresholds": ".verdict.precision",
+    "headroom": ".verdict.precision",
 }
 
 __all__ = [
@@ -44,11 +47,13 @@ __all__ = [
     "EvidenceRejected",
     "Report",
     "Violation",
+    "WarningThresholds",
     "__version__",
     "check_bundle",
     "contract_content_id",
     "contract_document",
     "decide",
+    "headroom",
     "report_document",
 ]
 

@@ -280,3 +280,36 @@ def test_big_chunks_take_every_path() -> None:
         assert fed("F16", data.tobytes(), [1000, 200_000]) == reference_extremes(
             data, float(np.finfo(np.float16).smallest_normal)
         )
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F8_E4M3FNUZ"])
+def test_chunks_after_small_values_keep_one_signed_extremes(dtype: str) -> None:
+    """After a chunk with zeros or subnormals the counter reads small values more
+    cheaply: the signed minimum and maximum of a one-signed tensor stay exact."""
+    scalar = {
+        "F16": np.float16,
+        "BF16": ml_dtypes.bfloat16,
+        "F32": np.float32,
+        "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+    }[dtype]
+    smallest = normal(scalar)
+    for chunks in (
+        [[0.0, 2.0], [3.0, 4.0], [0.5]],  # all positive: the minimum is the first zero
+        [[-0.0, -2.0], [-3.0], [-4.0, -0.5]],  # all negative: the maximum is -0.0
+        [[-2.0, -1.0], [smallest / 2, -smallest], [-8.0]],  # mixed only in the middle
+        [[1.0, 2.0], [0.0, 0.0], [-1.0, 5.0]],
+        # the lowest code of the one sign arrives in a chunk read after small values
+        [[4.0, smallest / 2], [0.0, 3.0]],
+        [[-4.0, -smallest / 2], [-0.0, -3.0], [-1.0]],
+    ):
+        counter = Counter(dtype)
+        flat = []
+        for chunk in chunks:
+            data = np.array(chunk, dtype=scalar)
+            flat.extend(data.tolist())
+            counter.feed(data.tobytes())
+        expected = reference_extremes(np.array(flat, dtype=scalar), smallest)
+        if dtype == "F8_E4M3FNUZ":  # no negative zero: -0.0 is stored as 0.0
+            assert counter.extremes() == expected
+        else:
+            assert same(counter.extremes(), expected), (chunks, counter.extremes(), expected)

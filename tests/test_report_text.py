@@ -326,7 +326,9 @@ def test_checklist_names_this_bundles_evidence(name: str) -> None:
     else:
         assert lkg.checkpoint_id in steps["reproduce-without-update"]
         assert (first or stage) in steps["reproduce-without-update"]
-        assert re.search(r"\(\w+, F32\) reached [\d.]+, [\d.]+ bits below F32's max, \w+ stages? "
+        compute = report.manifest.binding.compute_dtype
+        limit = "F32's max" if compute == "F32" else f"{compute}'s max \\(the compute dtype\\)"
+        assert re.search(rf"\(\w+, F32\) reached [\d.]+, [\d.]+ bits below {limit}, \w+ stages? "
                          r"before the first non-finite (tensor|stage)",
                          steps["inspect-upstream-extremes"])  # fmt: skip
 

@@ -67,6 +67,7 @@ __all__ = ["Counter", "Tally", "extremes_bytes", "tally_bytes"]
 _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
 _NONE_LOW = 1 << 64  # above every code: "no lowest code yet"
+_SMALL_BLOCK_BYTES = 256 * 1024  # see Counter._count_small
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,9 @@ def _bits_of(dtype: DType) -> _Bits | None:
 
 class _Span:
     """Running extremes of the finite codes seen: the lowest and highest code of
-    each sign, zeros, subnormals and the lowest non-zero code."""
+    each sign, zeros, subnormals and the lowest non-zero code. The lowest code of a
+    sign is exact while no value of the other sign has been seen: only then does
+    the signed minimum or maximum need it."""
 
     __slots__ = (
         "neg_hi",
@@ -181,6 +184,16 @@ class _Span:
         return max(self.pos_hi, self.neg_hi)
 
 
+class _Found:
+    """One chunk's highest code of each sign (-1 for a sign no value has) and, when
+    read, its lowest (``_NONE_LOW`` for a sign no value has; None when not read)."""
+
+    __slots__ = ("neg_hi", "neg_lo", "pos_hi", "pos_lo")
+
+    def __init__(self, pos_hi: int, neg_hi: int, pos_lo: int | None, neg_lo: int | None) -> None:
+        self.pos_hi, self.neg_hi, self.pos_lo, self.neg_lo = pos_hi, neg_hi, pos_lo, neg_lo
+
+
 class Counter:
     """Incremental exact counter for one tensor's raw bytes (little-endian, as stored in safetensors).
 
@@ -192,10 +205,12 @@ class Counter:
     __slots__ = (
         "_bits",
         "_elements",
+        "_flag_scratch",
         "_nan",
         "_neginf",
         "_posinf",
         "_scratch",
+        "_small_seen",
         "_span",
         "_type",
         "align",
@@ -215,7 +230,9 @@ class Counter:
         self._posinf = 0
         self._neginf = 0
         self._span = _Span()
+        self._small_seen = False  # the last chunk held zeros or subnormals
         self._scratch: _Array | None = None
+        self._flag_scratch: _Array | None = None
 
     def _buffer(self, n: int, dtype: str) -> _Array:
         """A reused scratch array of ``n`` elements of ``dtype``."""
@@ -224,6 +241,14 @@ class Counter:
             scratch = np.empty(n, dtype=dtype)
             self._scratch = scratch
         return scratch[:n]
+
+    def _flags(self, n: int) -> _Array:
+        """A reused boolean scratch array of ``n`` elements."""
+        flags = self._flag_scratch
+        if flags is None or flags.size < n:
+            flags = np.empty(n, dtype=bool)
+            self._flag_scratch = flags
+        return flags[:n]
 
     def feed(self, chunk: _Chunk) -> None:
         size = memoryview(chunk).nbytes
@@ -279,35 +304,39 @@ class Counter:
             self._elements += moved.size
             self._add_finite(moved, self._reduce(moved))
 
-    def _reduce(self, values: _Array) -> tuple[int, int, int, int]:
-        """(lowest, highest) code of the positive values, then of the negative ones,
-        of one chunk, from four read-only reductions; ``_NONE_LOW``/-1 for a sign
-        that no value has."""
-        umax, umin = int(values.max()), int(values.min())
+    def _reduce(self, values: _Array) -> _Found:
+        """The highest code of each sign of one chunk, from the unsigned and signed
+        maxima; the lowest ones too (unsigned and signed minima) unless the previous
+        chunk held small values, whose count reads them more cheaply."""
         bits = self._bits
         assert bits is not None
         sign = bits.sign
+        umax = int(values.max())
+        lows = not self._small_seen or bits.fmt.nan == "negative_zero"
         if not sign:
-            return umin, umax, _NONE_LOW, -1
+            return (
+                _Found(umax, -1, int(values.min()), _NONE_LOW)
+                if lows
+                else _Found(umax, -1, None, None)
+            )
         signed = values.view(bits.sint)
-        smax, smin = int(signed.max()), int(signed.min())
-        mask = bits.mask
-        positive, negative = umin < sign, umax >= sign
-        return (
-            umin if positive else _NONE_LOW,
-            smax if positive else -1,
-            smin & mask if negative else _NONE_LOW,
-            umax & mask if negative else -1,
-        )
+        smax = int(signed.max())
+        positive, negative = smax >= 0, umax >= sign
+        found = _Found(smax if positive else -1, umax & bits.mask if negative else -1, None, None)
+        if lows:
+            umin, smin = int(values.min()), int(signed.min())
+            found.pos_lo = umin if positive else _NONE_LOW
+            found.neg_lo = smin & bits.mask if negative else _NONE_LOW
+        return found
 
-    def _holds_nonfinite(self, found: tuple[int, int, int, int]) -> bool:
+    def _holds_nonfinite(self, found: _Found) -> bool:
         assert self._bits is not None
         fmt = self._bits.fmt
         first = fmt.first_nonfinite
         if first is not None:
-            return max(found[1], found[3]) >= first
+            return max(found.pos_hi, found.neg_hi) >= first
         # fnuz: the NaN is the sign bit alone, a "negative" value of code 0.
-        return fmt.nan == "negative_zero" and found[2] == 0
+        return fmt.nan == "negative_zero" and found.neg_lo == 0
 
     def _finite_only(self, values: _Array) -> _Array:
         """Count the NaN and infinite values of a chunk; return its finite values."""
@@ -350,39 +379,70 @@ class Counter:
         self._neginf += neginf
         return raw[el_finite].reshape(-1)
 
-    def _add_finite(self, values: _Array, found: tuple[int, int, int, int]) -> None:
-        """Add a chunk of finite values whose lowest and highest codes are ``found``."""
+    def _add_finite(self, values: _Array, found: _Found) -> None:
+        """Add a chunk of finite values whose highest (and maybe lowest) codes are ``found``."""
         span = self._span
-        pos_lo, pos_hi, neg_lo, neg_hi = found
         span.values += values.size
-        span.pos_lo = min(span.pos_lo, pos_lo)
-        span.pos_hi = max(span.pos_hi, pos_hi)
-        span.neg_lo = min(span.neg_lo, neg_lo)
-        span.neg_hi = max(span.neg_hi, neg_hi)
-        low = min(pos_lo, neg_lo)
+        span.pos_hi = max(span.pos_hi, found.pos_hi)
+        span.neg_hi = max(span.neg_hi, found.neg_hi)
         assert self._bits is not None
-        if low >= self._bits.fmt.min_normal_code:  # no zero and no subnormal here
-            span.nonzero_lo = min(span.nonzero_lo, low)
-        else:
-            self._count_small(values, low)
+        if found.pos_lo is not None and found.neg_lo is not None:
+            span.pos_lo = min(span.pos_lo, found.pos_lo)
+            span.neg_lo = min(span.neg_lo, found.neg_lo)
+            low = min(found.pos_lo, found.neg_lo)
+            if low >= self._bits.fmt.min_normal_code:  # no zero and no subnormal here
+                span.nonzero_lo = min(span.nonzero_lo, low)
+                return
+        low = self._count_small(values)
+        # Only while every value seen has one sign is its lowest code needed (for the
+        # signed minimum or maximum); a chunk with both signs settles that for good.
+        if found.neg_hi < 0:
+            span.pos_lo = min(span.pos_lo, low)
+        elif found.pos_hi < 0:
+            span.neg_lo = min(span.neg_lo, low)
 
-    def _count_small(self, values: _Array, low: int) -> None:
-        """Zeros, subnormals and the lowest non-zero code of a chunk that has some."""
+    def _count_small(self, values: _Array) -> int:
+        """Count the zeros and subnormals of a chunk, keep its lowest non-zero code,
+        and return its lowest code; remember whether it had small values at all.
+
+        Block by block, so the magnitudes and the comparisons stay in the core's
+        cache: measured about a third faster than whole 2 MiB chunks.
+        """
         bits = self._bits
         assert bits is not None
         span = self._span
-        mags = self._buffer(values.size, bits.uint)
-        np.bitwise_and(values, bits.mask, out=mags)
-        small = int(np.count_nonzero(mags < bits.fmt.min_normal_code))
-        zeros = int(np.count_nonzero(mags == 0)) if low == 0 else 0
+        step = _SMALL_BLOCK_BYTES // values.itemsize
+        mags_block = self._buffer(min(step, values.size), bits.uint)
+        flags_block = self._flags(mags_block.size)
+        below, mask = bits.fmt.min_normal_code, bits.mask
+        small = zeros = 0
+        low = nonzero = _NONE_LOW
+        for start in range(0, values.size, step):
+            part = values[start : start + step]
+            mags, flags = mags_block[: part.size], flags_block[: part.size]
+            np.bitwise_and(part, mask, out=mags)
+            block_low = int(mags.min())
+            low = min(low, block_low)
+            if block_low >= below:
+                nonzero = min(nonzero, block_low)
+                continue
+            np.less(mags, below, out=flags)
+            small += int(np.count_nonzero(flags))
+            if block_low:
+                nonzero = min(nonzero, block_low)
+                continue
+            np.equal(mags, 0, out=flags)
+            block_zeros = int(np.count_nonzero(flags))
+            zeros += block_zeros
+            if block_zeros < part.size:
+                # Zero wraps to the top: the minimum is the lowest non-zero code, less one.
+                np.subtract(mags, 1, out=mags)
+                nonzero = min(nonzero, int(mags.min()) + 1)
         span.zeros += zeros
         span.subnormals += small - zeros
-        if low:
-            span.nonzero_lo = min(span.nonzero_lo, low)
-        elif zeros < values.size:
-            # Zero wraps to the top: the minimum is the lowest non-zero code, less one.
-            np.subtract(mags, 1, out=mags)
-            span.nonzero_lo = min(span.nonzero_lo, int(mags.min()) + 1)
+        span.nonzero_lo = min(span.nonzero_lo, nonzero)
+        self._small_seen = small > 0
+        return low
 
     # -- results --------------------------------------------------------------------
 

@@ -6,14 +6,10 @@ place keeps "0.5" from reading as "5e-01" in one and "0.5" in the other.
 
 from __future__ import annotations
 
-import math
-
-from nanrunbook.dtypes import DTYPES
 from nanrunbook.records import Counts, Scaler, StageFinding
 
 __all__ = [
     "counts_phrase",
-    "headroom_bits",
     "number",
     "reported_magnitude",
     "shape_text",
@@ -56,15 +52,6 @@ def counts_phrase(counts: Counts) -> str:
 def shape_text(shape: tuple[int, ...]) -> str:
     """``16x8``; a 0-d tensor is ``scalar``."""
     return "x".join(str(n) for n in shape) if shape else "scalar"
-
-
-def headroom_bits(dtype: str, stored_max_abs: float | None) -> float | None:
-    """log2(dtype max / largest finite magnitude as stored); None when it does not
-    apply (no floating dtype, no finite value, or every value zero)."""
-    limit = DTYPES[dtype].max_finite if dtype in DTYPES else None
-    if limit is None or stored_max_abs is None or stored_max_abs <= 0:
-        return None
-    return math.log2(limit / stored_max_abs)
 
 
 def stages_before(distance: int) -> str:

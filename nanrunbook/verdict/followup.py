@@ -15,33 +15,54 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanrunbook.dtypes import DTYPES
-from nanrunbook.records import Decision, Manifest, StageFinding, TensorFinding
+from nanrunbook.records import (
+    Decision,
+    EarlyWarning,
+    Headroom,
+    Manifest,
+    StageFinding,
+    TensorFinding,
+    TensorHeadroom,
+)
 from nanrunbook.verdict.evidence import (
     counts_phrase,
-    headroom_bits,
     number,
     reported_magnitude,
     shape_text,
     stages_before,
 )
+from nanrunbook.verdict.precision import headroom
+from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import STAGE_STEPS, Section, Step, find_step
 
-__all__ = ["Evidence", "checklist_for"]
+__all__ = ["checklist_for"]
 
 # Dtypes in which autocast runs reduced precision: a replay in F32 is a real change.
 _REDUCED = frozenset({"F16", "BF16"}) | {
     name for name in DTYPES if name.startswith(("F8", "F6", "F4"))
 }
+_WARNINGS_NAMED = 3  # warnings a step names before "and N more"
 
 
 @dataclass(frozen=True, slots=True)
-class Evidence:
-    """One accepted bundle's facts, as the checklist refers to them."""
+class _Evidence:
+    """One report's facts, as the checklist refers to them; the headroom facts are
+    worked out once (nanrunbook.verdict.precision)."""
 
-    bundle: str
-    manifest: Manifest
-    stages: tuple[StageFinding, ...]
-    decision: Decision
+    report: Report
+    rooms: tuple[TensorHeadroom, ...]
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.report.manifest
+
+    @property
+    def stages(self) -> tuple[StageFinding, ...]:
+        return self.report.stages
+
+    @property
+    def decision(self) -> Decision:
+        return self.report.decision
 
     @property
     def earliest(self) -> int | None:
@@ -63,14 +84,21 @@ class Evidence:
             return number(stored)
         return f"{number(shown)} unscaled ({number(stored)} as stored)"
 
+    def warnings_before(self, index: int) -> tuple[EarlyWarning, ...]:
+        """The report's warnings in stages before ``index`` (they come upstream first)."""
+        upstream = {s.stage for s in self.stages[:index]}
+        return tuple(w for w in self.report.warnings if w.stage in upstream)
+
 
 def _step(step_id: str, detail: str) -> Step:
     """The runbook's step, its detail naming this bundle's evidence."""
     return Step(step_id, find_step(step_id).title, detail)
 
 
-def checklist_for(evidence: Evidence) -> tuple[Section, ...]:
-    """The sections this verdict calls for, in the order they are worked."""
+def checklist_for(report: Report) -> tuple[Section, ...]:
+    """The sections this verdict calls for, in the order they are worked, naming
+    the report's evidence and warnings."""
+    evidence = _Evidence(report, headroom(report))
     earliest = evidence.earliest
     if earliest is None:
         return (_bounded_diagnostics(evidence),)
@@ -87,12 +115,12 @@ def checklist_for(evidence: Evidence) -> tuple[Section, ...]:
 # ---------------------------------------------------------------- the facts named
 
 
-def _first_tensor(evidence: Evidence, stage: StageFinding) -> TensorFinding | None:
+def _first_tensor(evidence: _Evidence, stage: StageFinding) -> TensorFinding | None:
     name = evidence.decision.first_nonfinite_tensor
     return next((t for t in stage.tensors if t.entry.name == name), None)
 
 
-def _first_named(evidence: Evidence, stage: StageFinding) -> str:
+def _first_named(evidence: _Evidence, stage: StageFinding) -> str:
     """``grad/w (F16 16x8: 1 -inf of 128 elements)``; a summary has no per-tensor counts."""
     tensor = _first_tensor(evidence, stage)
     if tensor is None or tensor.counts is None:
@@ -102,49 +130,64 @@ def _first_named(evidence: Evidence, stage: StageFinding) -> str:
     return f"{entry.name} ({entry.dtype} {shape_text(entry.shape)}: {counts_phrase(tensor.counts)})"
 
 
-def _first_of_kind(evidence: Evidence, stage: StageFinding, kind: str) -> str:
+def _first_of_kind(evidence: _Evidence, stage: StageFinding, kind: str) -> str:
     """``X is the first non-finite gradient in capture order``, or why it is unknown."""
     if evidence.decision.first_nonfinite_tensor is None:
         return f"{_first_named(evidence, stage)}: the first non-finite {kind} is unknown"
     return f"{_first_named(evidence, stage)} is the first non-finite {kind} in capture order"
 
 
-def _symptom(evidence: Evidence, stage: StageFinding) -> str:
+def _symptom(evidence: _Evidence, stage: StageFinding) -> str:
     """What replay must find again: the first tensor, or the stage when it is unknown."""
     name = evidence.decision.first_nonfinite_tensor
     return f"{name} non-finite again" if name else f"{stage.stage} non-finite again"
 
 
-def _peak(evidence: Evidence, indices: range) -> tuple[StageFinding, TensorFinding, float] | None:
-    """The recounted floating tensor closest to its dtype's limit among these stages."""
-    best: tuple[StageFinding, TensorFinding, float] | None = None
-    for index in indices:
-        stage = evidence.stages[index]
-        for tensor in stage.tensors:
-            bits = headroom_bits(tensor.entry.dtype, tensor.finite_max_abs)
-            if bits is not None and (best is None or bits < best[2]):
-                best = (stage, tensor, bits)
+Peak = tuple[TensorHeadroom, Headroom]  # a tensor, and the dtype limit it comes closest to
+
+
+def _peak(evidence: _Evidence, indices: range) -> Peak | None:
+    """Among these stages' recounted floating tensors, the one closest to a limit:
+    its own dtype's largest finite value or, in a stage computed in the compute
+    dtype, that dtype's."""
+    names = {evidence.stages[i].stage for i in indices}
+    best: Peak | None = None
+    for room in evidence.rooms:
+        if room.stage not in names:
+            continue
+        for limit in (room.own, room.compute):
+            if limit is None or limit.bits is None:
+                continue
+            if best is None or limit.bits < (best[1].bits or 0.0):
+                best = (room, limit)
     return best
 
 
-Peak = tuple[StageFinding, TensorFinding, float]
+def _bits(bits: float) -> str:
+    size = abs(bits)
+    return f"{size:.2g}" if size < 0.05 else f"{size:.1f}"
 
 
-def _peak_phrase(evidence: Evidence, peak: Peak) -> str:
-    """``act/x (forward, F16) reached 65504, exactly F16's largest finite value``."""
-    stage, tensor, bits = peak
-    dtype = tensor.entry.dtype
-    assert tensor.finite_max_abs is not None
-    limit = (
-        f"exactly {dtype}'s largest finite value"
-        if bits == 0
-        else f"{bits:.1f} bits below {dtype}'s max"
-    )
-    reached = evidence.magnitude(stage, tensor.finite_max_abs)
-    return f"{tensor.entry.name} ({stage.stage}, {dtype}) reached {reached}, {limit}"
+def _peak_phrase(evidence: _Evidence, peak: Peak) -> str:
+    """``act/x (forward, F16) reached 65504, exactly F16's largest finite value``;
+    ``batch/x (input, F32) reached 70354.1, 0.1 bits above F16's max (the compute
+    dtype)``."""
+    room, limit = peak
+    assert limit.bits is not None and room.extremes.max_abs is not None
+    whose = f"{limit.dtype}'s"
+    if limit.bits == 0:
+        where = f"exactly {whose} largest finite value"
+    else:
+        side = "below" if limit.bits > 0 else "above"
+        where = f"{_bits(limit.bits)} bits {side} {whose} max"
+    if limit.dtype != room.dtype:
+        where += " (the compute dtype)"
+    stage = next(s for s in evidence.stages if s.stage == room.stage)
+    reached = evidence.magnitude(stage, room.extremes.max_abs)
+    return f"{room.tensor} ({room.stage}, {room.dtype}) reached {reached}, {where}"
 
 
-def _upstream_phrase(evidence: Evidence, earliest: int) -> str:
+def _upstream_phrase(evidence: _Evidence, earliest: int) -> str:
     """The finite extreme closest to its limit upstream of the earliest stage and how
     far upstream, as in ``act/encoder.4 (forward, F16) reached 61000, 0.1 bits below
     F16's max, one stage before the first non-finite tensor``."""
@@ -156,14 +199,15 @@ def _upstream_phrase(evidence: Evidence, earliest: int) -> str:
         if evidence.decision.first_nonfinite_tensor
         else "the first non-finite stage"
     )
-    distance = stages_before(earliest - evidence.stages.index(peak[0]))
+    at = next(i for i, s in enumerate(evidence.stages) if s.stage == peak[0].stage)
+    distance = stages_before(earliest - at)
     return f"{_peak_phrase(evidence, peak)}, {distance} {target}"
 
 
 # ---------------------------------------------------------------- CONTINUE
 
 
-def _bounded_diagnostics(evidence: Evidence) -> Section:
+def _bounded_diagnostics(evidence: _Evidence) -> Section:
     manifest = evidence.manifest
     binding = manifest.binding
     total = sum(s.counts.elements for s in evidence.stages if s.counts is not None)
@@ -202,7 +246,7 @@ def _bounded_diagnostics(evidence: Evidence) -> Section:
 # ---------------------------------------------------------------- HOLD: the stage
 
 
-def _input_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+def _input_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     first = _first_named(evidence, stage)
     return (
         _step(
@@ -224,7 +268,7 @@ def _input_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
     )
 
 
-def _forward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+def _forward_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     compute = evidence.manifest.binding.compute_dtype
     if compute in _REDUCED:
         fp32 = (
@@ -246,7 +290,7 @@ def _forward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
     )
 
 
-def _loss_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+def _loss_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     binding = evidence.manifest.binding
     if binding.compute_dtype in _REDUCED:
         fp32 = (
@@ -269,7 +313,7 @@ def _loss_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
     )
 
 
-def _backward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+def _backward_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     return (
         _step(
             "gradient-path",
@@ -280,7 +324,7 @@ def _backward_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]
     )
 
 
-def _scaling_detail(evidence: Evidence, stage: StageFinding) -> str:
+def _scaling_detail(evidence: _Evidence, stage: StageFinding) -> str:
     scaler = evidence.manifest.binding.scaler
     if scaler.mode == "none":
         return (
@@ -302,7 +346,7 @@ def _scaling_detail(evidence: Evidence, stage: StageFinding) -> str:
     return f"{transition}; the gradients were probed after unscale_."
 
 
-def _optimizer_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...]:
+def _optimizer_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     gradients = evidence.stages[evidence.stages.index(stage) - 1]
     if gradients.status == "OBSERVED" and gradients.finite_max_abs is not None:
         largest = evidence.magnitude(gradients, gradients.finite_max_abs)
@@ -325,7 +369,7 @@ def _optimizer_steps(evidence: Evidence, stage: StageFinding) -> tuple[Step, ...
     )
 
 
-_STAGE_BUILDERS: dict[str, Callable[[Evidence, StageFinding], tuple[Step, ...]]] = {
+_STAGE_BUILDERS: dict[str, Callable[[_Evidence, StageFinding], tuple[Step, ...]]] = {
     "input": _input_steps,
     "forward": _forward_steps,
     "loss": _loss_steps,
@@ -337,7 +381,7 @@ _STAGE_BUILDERS: dict[str, Callable[[Evidence, StageFinding], tuple[Step, ...]]]
 # ---------------------------------------------------------------- HOLD: containment, replay
 
 
-def _hold_detail(evidence: Evidence) -> str:
+def _hold_detail(evidence: _Evidence) -> str:
     optimizer = evidence.stages[-1]
     scaler = evidence.manifest.binding.scaler
     step = evidence.manifest.step
@@ -350,7 +394,7 @@ def _hold_detail(evidence: Evidence) -> str:
     return f"{done}; pause checkpoint promotion."
 
 
-def _containment(evidence: Evidence) -> Section:
+def _containment(evidence: _Evidence) -> Section:
     manifest = evidence.manifest
     lkg = manifest.last_known_good
     stage = evidence.stages[evidence.earliest or 0]
@@ -379,7 +423,7 @@ def _containment(evidence: Evidence) -> Section:
     )
 
 
-def _replay(evidence: Evidence, earliest: int) -> Section:
+def _replay(evidence: _Evidence, earliest: int) -> Section:
     manifest = evidence.manifest
     if earliest == 0:
         # Bad data is replayed by reloading it (the input steps); there is no graph
@@ -411,7 +455,7 @@ def _replay(evidence: Evidence, earliest: int) -> Section:
     )
 
 
-def _mechanisms(evidence: Evidence) -> str:
+def _mechanisms(evidence: _Evidence) -> str:
     binding = evidence.manifest.binding
     options = []
     if binding.compute_dtype in _REDUCED:
