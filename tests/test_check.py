@@ -140,6 +140,9 @@ def test_kv_is_exactly_the_spec_lines() -> None:
         "decision=HOLD",
         "action=hold-and-inspect-gradient-path-and-loss-scaling",
         "root_cause_claim=NONE_SYMPTOM_LOCATION_IS_NOT_CAUSALITY",
+        # Appended after the spec's lines (section 10): the early warnings.
+        "warnings=1",
+        "warning=NEAR_DTYPE_MAX backward#0",
     ]
 
 

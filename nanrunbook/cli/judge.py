@@ -18,6 +18,7 @@ from nanrunbook.errors import EvidenceRejected
 
 if TYPE_CHECKING:
     from nanrunbook.output.base import Renderer
+    from nanrunbook.verdict.precision import WarningThresholds
 
 __all__ = ["emit", "emit_rejection", "judge", "silence"]
 
@@ -30,21 +31,24 @@ def judge(
     caps: Caps | None = None,
     progress: bool = False,
     brief: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
 ) -> int:
     """Check ``bundle``, write the report or rejection in ``fmt`` to ``out``, and
     return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
     it is erased before anything is written to ``out``. ``brief`` (text only)
-    writes at most six lines."""
+    writes at most six lines. ``fail_on_warnings`` turns a CONTINUE with warnings
+    into exit 5."""
     from nanrunbook.check import check_bundle
     from nanrunbook.output.progress import check_progress
 
     try:
         with check_progress(progress) as bar:
-            report = check_bundle(bundle, caps=caps, progress=bar)
+            report = check_bundle(bundle, caps=caps, progress=bar, thresholds=thresholds)
     except EvidenceRejected as error:
         return emit_rejection(error, bundle, fmt, out, caps=caps, brief=brief)
     emit(functools.partial(_renderer(fmt, brief).report, report, out), out)
-    return report.exit_code
+    return report.exit_code_for(fail_on_warnings=fail_on_warnings)
 
 
 def emit_rejection(

@@ -110,6 +110,7 @@ class TextRenderer(Renderer):
             _print_probes(console, report)
         else:
             _print_earliest_stage(console, report)
+        _print_warnings(console, report)
         _print_sections(
             console, report.checklist, heading="Checklist (whole runbook: nanrunbook checklist)"
         )
@@ -241,7 +242,7 @@ def _print_verdict(console: Any, report: Report) -> None:
 
 
 def _brief_lines(report: Report) -> list[Any]:
-    """Verdict, earliest stage, first tensor, action, bundle: at most six lines."""
+    """Verdict, earliest stage, first tensor, action, warnings, bundle: six lines."""
     from rich.text import Text
 
     decision = report.decision
@@ -251,9 +252,16 @@ def _brief_lines(report: Report) -> list[Any]:
         _fact_line("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
         _fact_line("first non-finite tensor", _first_tensor(report)),
         _fact_line("action", decision.action),
+        _fact_line("warnings", _warnings_count(report)),
         _fact_line("bundle", report.bundle),
     ]
     return lines
+
+
+def _warnings_count(report: Report) -> str:
+    """``2 (AT_DTYPE_MAX, NEAR_DTYPE_MAX)``: how many, and which codes."""
+    codes = ", ".join(dict.fromkeys(w.code for w in report.warnings))
+    return f"{len(report.warnings)} ({codes})" if codes else "0"
 
 
 def _brief_violations(error: EvidenceRejected) -> list[Any]:
@@ -431,6 +439,33 @@ def _print_earliest_stage(console: Any, report: Report) -> None:
     _show(console)
 
 
+_WARNINGS_SHOWN = 6  # warnings listed before "N more"
+
+
+def _print_warnings(console: Any, report: Report) -> None:
+    """The early warnings, upstream stages first (their order in the report)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    warnings = report.warnings
+    if not warnings:
+        _show(console, Text.assemble(("Warnings", "bold"), ": none"))
+        _show(console)
+        return
+    _show(console, Text(f"Warnings ({len(warnings)}, upstream first)", style="bold"))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="yellow")
+    grid.add_column(overflow="fold")
+    for warning in warnings[:_WARNINGS_SHOWN]:
+        where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
+        grid.add_row(warning.code, where)
+    hidden = len(warnings) - _WARNINGS_SHOWN
+    rest = [Text(f"... {hidden} more (all in --format json)")] if hidden > 0 else []
+    _show(console, _indented(Group(grid, *rest), 2))
+    _show(console)
+
+
 def _print_probes(console: Any, report: Report) -> None:
     """On CONTINUE no stage is singled out: what was checked is where each boundary
     was probed."""
@@ -455,5 +490,6 @@ def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str
         grid.add_column(overflow="fold")
         for step in section.steps:
             count += 1
-            grid.add_row(f"{count}.", Text.assemble((step.title, "bold"), f": {step.detail}"))
+            detail = _shorten_digests(step.detail)
+            grid.add_row(f"{count}.", Text.assemble((step.title, "bold"), f": {detail}"))
         _show(console, _indented(grid, 1))

@@ -11,7 +11,7 @@ The checklist is data built here; renderers only show it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nanrunbook.dtypes import DTYPES
@@ -104,7 +104,11 @@ def checklist_for(report: Report) -> tuple[Section, ...]:
         return (_bounded_diagnostics(evidence),)
     stage = evidence.stages[earliest]
     specific = STAGE_STEPS[stage.stage]
-    steps = _STAGE_BUILDERS[stage.stage](evidence, stage)
+    first, *rest = _STAGE_BUILDERS[stage.stage](evidence, stage)
+    here = [w for w in report.warnings if w.stage == stage.stage]
+    if here:
+        first = Step(first.id, first.title, f"{first.detail} Warnings here: {_named(here)}.")
+    steps = (first, *rest)
     return (
         Section(specific.id, specific.title, steps),
         _containment(evidence),
@@ -204,6 +208,20 @@ def _upstream_phrase(evidence: _Evidence, earliest: int) -> str:
     return f"{_peak_phrase(evidence, peak)}, {distance} {target}"
 
 
+def _upstream_detail(evidence: _Evidence, earliest: int) -> str:
+    upstream = evidence.warnings_before(earliest)
+    detail = _upstream_phrase(evidence, earliest) + "."
+    return f"{detail} Warnings upstream: {_named(upstream)}." if upstream else detail
+
+
+def _named(warnings: Sequence[EarlyWarning]) -> str:
+    """``AT_DTYPE_MAX at act/x (forward); ...; and 2 more``: code, tensor and stage of
+    the first few, in the report's order (upstream first)."""
+    named = "; ".join(f"{w.code} at {w.tensor} ({w.stage})" for w in warnings[:_WARNINGS_NAMED])
+    rest = len(warnings) - _WARNINGS_NAMED
+    return f"{named}; and {rest} more" if rest > 0 else named
+
+
 # ---------------------------------------------------------------- CONTINUE
 
 
@@ -212,11 +230,14 @@ def _bounded_diagnostics(evidence: _Evidence) -> Section:
     binding = manifest.binding
     total = sum(s.counts.elements for s in evidence.stages if s.counts is not None)
     peak = _peak(evidence, range(len(evidence.stages)))
-    extremes = (
-        f"The finite value closest to its dtype's limit: {_peak_phrase(evidence, peak)}."
-        if peak
-        else "No recounted floating tensor holds a finite non-zero value."
-    )
+    warnings = evidence.report.warnings
+    if warnings:
+        count = f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}"
+        extremes = f"{count}, upstream first: {_named(warnings)}."
+    elif peak:
+        extremes = f"No warning; the value closest to a limit: {_peak_phrase(evidence, peak)}."
+    else:
+        extremes = "No warning, and no recounted floating tensor holds a non-zero value."
     return Section(
         "bounded-diagnostics",
         "Bounded diagnostics",
@@ -398,6 +419,8 @@ def _containment(evidence: _Evidence) -> Section:
     manifest = evidence.manifest
     lkg = manifest.last_known_good
     stage = evidence.stages[evidence.earliest or 0]
+    owner = stage.record.owner
+    with_owner = "" if owner == manifest.incident_owner else f", with {owner} ({stage.stage})"
     return Section(
         "containment",
         "Containment",
@@ -411,16 +434,20 @@ def _containment(evidence: _Evidence) -> Section:
             ),
             _step(
                 "mark-last-known-good",
-                f"{lkg.checkpoint_id} (step {lkg.step}, {manifest.step - lkg.step} steps "
-                "back); nothing after it is trusted.",
+                f"{lkg.checkpoint_id} (step {lkg.step}, {_steps_back(manifest.step - lkg.step)}); "
+                "nothing after it is trusted.",
             ),
             _step(
                 "choose-replay-authority",
                 f"Incident owner {manifest.incident_owner} decides how step {manifest.step} "
-                f"is replayed, with {stage.record.owner} ({stage.stage}).",
+                f"is replayed{with_owner}.",
             ),
         ),
     )
+
+
+def _steps_back(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''} back"
 
 
 def _replay(evidence: _Evidence, earliest: int) -> Section:
@@ -444,7 +471,7 @@ def _replay(evidence: _Evidence, earliest: int) -> Section:
                 "on copies (nanrunbook.capture.torch.replay_step); expect "
                 f"{_symptom(evidence, stage)}.",
             ),
-            _step("inspect-upstream-extremes", _upstream_phrase(evidence, earliest) + "."),
+            _step("inspect-upstream-extremes", _upstream_detail(evidence, earliest)),
             _step("change-one-mechanism", _mechanisms(evidence)),
             _step(
                 "prove-recovery",

@@ -54,6 +54,14 @@ class Report:
     def exit_code(self) -> int:
         return Exit.HOLD if self.decision.decision == HOLD else Exit.CONTINUE
 
+    def exit_code_for(self, *, fail_on_warnings: bool = False) -> int:
+        """The process's exit code: the verdict's, except that a CONTINUE with
+        warnings is WARNINGS (5) when the caller asked to fail on them. A HOLD
+        stays HOLD: 5 never hides one."""
+        if fail_on_warnings and self.exit_code == Exit.CONTINUE and self.warnings:
+            return Exit.WARNINGS
+        return self.exit_code
+
     @property
     def scaler(self) -> Scaler:
         return self.manifest.binding.scaler
