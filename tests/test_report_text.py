@@ -347,7 +347,8 @@ def test_checklist_names_an_extreme_at_the_dtype_limit(tmp_path: Path) -> None:
     steps = _steps(check_bundle(_wide_stage_bundle(tmp_path)))
     assert steps["inspect-upstream-extremes"] == (
         "batch/x (input, F16) reached 65504, exactly F16's largest finite value, "
-        "one stage before the first non-finite tensor."
+        "one stage before the first non-finite tensor. "
+        "Warnings upstream: AT_DTYPE_MAX at batch/x (input)."
     )
 
 
@@ -372,7 +373,8 @@ def test_checklist_headroom_in_bits(tmp_path: Path) -> None:
     bits = np.log2(65504 / float(np.float16(61000.0)))
     assert steps["inspect-upstream-extremes"] == (
         f"act/encoder.4 (forward, F16) reached {float(np.float16(61000.0)):g}, "
-        f"{bits:.1f} bits below F16's max, one stage before the first non-finite tensor."
+        f"{bits:.1f} bits below F16's max, one stage before the first non-finite tensor. "
+        "Warnings upstream: NEAR_DTYPE_MAX at act/encoder.4 (forward)."
     )
 
 
@@ -390,3 +392,187 @@ def test_checklist_command_alone_is_still_the_whole_runbook() -> None:
     assert lines == [f"steps={len(whole)}", *whole]
     assert "step=containment/hold-the-update" in lines
     assert "step=bounded-diagnostics/read-continue" in lines
+
+
+# ---------------------------------------------------------------- warnings
+
+
+def _warned_writer(*, nonfinite_gradient: bool = False) -> BundleWriter:
+    """Three warnings upstream to downstream: the F32 batch near the compute dtype
+    F16's max, a saturated F16 activation, mostly-zero F16 gradients. All finite
+    (CONTINUE), or with a second, infinite gradient (HOLD at backward)."""
+    bound = binding()
+    bound["precision"] = {"id": "fp16", "param_dtype": "F32", "compute_dtype": "F16"}
+    writer = BundleWriter(
+        run_id="run-warned",
+        step=4,
+        incident_owner="ml-oncall",
+        binding=bound,
+        last_known_good={"checkpoint_id": "ckpt-3", "step": 3},
+    )
+    batch = np.array([40000.0, 1.0], dtype="float32")
+    writer.observe("input", [("batch/x", batch, "p")], owner=OWNER, probe_source="loader")
+    acts = [
+        ("act/a", np.array([1.0, 2.0], dtype="float16"), "h"),
+        ("act/b", np.array([65504.0, -3.0], dtype="float16"), "h"),
+    ]
+    writer.observe("forward", acts, owner=OWNER, probe_source="hooks")
+    loss = np.array(0.5, dtype="float32")
+    writer.observe("loss", [("loss", loss, "l")], owner=OWNER, probe_source="loss")
+    grads = [("grad/w", np.array([0, 0, 0, 0, 0, 0, 0.5, 0.25], dtype="float16"), "g")]
+    if nonfinite_gradient:
+        grads.append(("grad/v", np.array([np.inf, 1.0], dtype="float16"), "g"))
+    writer.observe("backward", grads, owner=OWNER, probe_source="g", gradients="unscaled")
+    if nonfinite_gradient:
+        writer.not_run_rest(owner=OWNER, reason="non-finite gradient")
+    else:
+        step = np.array([0.1, 0.2], dtype="float32")
+        writer.observe("optimizer", [("opt/u", step, "o")], owner=OWNER, probe_source="opt")
+    return writer
+
+
+WARNED_KV = [
+    "warnings=3",
+    "warning=NEAR_DTYPE_MAX input#0",
+    "warning=AT_DTYPE_MAX forward#1",
+    "warning=GRADIENT_UNDERFLOW backward#0",
+]
+
+
+def test_warnings_get_their_own_section_upstream_first(tmp_path: Path) -> None:
+    report = check_bundle(_warned_writer().write(tmp_path / "b"))
+    assert report.decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
+    text = render(report)
+    assert widest(text) <= 80
+    section = text[text.index("Warnings (3, upstream first)") : text.index("Checklist")]
+    starts = [line.split()[:3] for line in section.splitlines()[1:] if line.startswith("  ")]
+    starts = [s for s in starts if s[0].isupper()]
+    assert starts == [
+        ["NEAR_DTYPE_MAX", "input", "batch/x:"],
+        ["AT_DTYPE_MAX", "forward", "act/b:"],
+        ["GRADIENT_UNDERFLOW", "backward", "grad/w:"],
+    ]
+    assert "Warnings: none" in render(check_bundle(FIXTURES / "continue-all-finite"))
+
+
+def test_warnings_section_is_capped(tmp_path: Path) -> None:
+    writer = BundleWriter(
+        run_id="run-many",
+        step=4,
+        incident_owner="ml-oncall",
+        binding=binding(),
+        last_known_good={"checkpoint_id": "ckpt-3", "step": 3},
+    )
+    saturated = [(f"act/{i}", np.array([65504.0], dtype="float16"), "h") for i in range(8)]
+    saturated.append(("act/nan", np.array([np.nan], dtype="float16"), "h"))
+    writer.observe("input", [("batch/x", np.ones(2, "float32"), "p")], owner=OWNER,
+                   probe_source="l")  # fmt: skip
+    writer.observe("forward", saturated, owner=OWNER, probe_source="h")
+    writer.not_run_rest(owner=OWNER, reason="stopped by hand")
+    text = render(check_bundle(writer.write(tmp_path / "b")))
+    section = text[text.index("Warnings (8, upstream first)") : text.index("Checklist")]
+    assert section.count("AT_DTYPE_MAX") == 6
+    assert "  ... 2 more (all in --format json)" in section.splitlines()
+
+
+def test_kv_appends_the_warnings_after_the_spec_lines(tmp_path: Path) -> None:
+    bundle = _warned_writer().write(tmp_path / "b")
+    lines = run("check", "-f", "kv", str(bundle)).stdout.splitlines()
+    assert [line.split("=")[0] for line in lines[:10]] == [
+        "contract_version", "contract_content_id", "run", "step", "evidence_id",
+        "evidence_content_id", "earliest_nonfinite", "decision", "action", "root_cause_claim",
+    ]  # fmt: skip
+    assert lines[10:] == WARNED_KV
+    kv_fixture = run("check", "-f", "kv", str(FIXTURES / "hold-loss")).stdout.splitlines()
+    assert kv_fixture[10:] == ["warnings=0"]
+
+
+def test_brief_counts_the_warnings(tmp_path: Path) -> None:
+    bundle = _warned_writer().write(tmp_path / "b")
+    lines = run("check", "--brief", str(bundle)).stdout.splitlines()
+    assert len(lines) == 6
+    assert (
+        lines[4]
+        == "  warnings                   3 (NEAR_DTYPE_MAX, AT_DTYPE_MAX, GRADIENT_UNDERFLOW)"
+    )
+    brief = run("check", "--brief", str(FIXTURES / "hold-loss")).stdout.splitlines()
+    assert brief[4] == "  warnings                   0"
+
+
+def test_fail_on_warnings_is_exit_5_only_for_a_continue_with_warnings(tmp_path: Path) -> None:
+    warned = str(_warned_writer().write(tmp_path / "b"))
+    assert run("check", "-f", "kv", warned).returncode == 0
+    assert run("check", "-f", "kv", "--fail-on-warnings", warned).returncode == 5
+    assert run("check", "--fail-on-warnings", warned).returncode == 5
+    clean = str(FIXTURES / "continue-all-finite")
+    assert run("check", "-f", "kv", "--fail-on-warnings", clean).returncode == 0
+    # A HOLD with a warning stays 1; a rejection stays 3.
+    hold = str(FIXTURES / "hold-backward-dynamic-skip")
+    assert "warnings=1" in run("check", "-f", "kv", hold).stdout
+    assert run("check", "-f", "kv", "--fail-on-warnings", hold).returncode == 1
+    rejected = str(FIXTURES / "rejected-caps")
+    assert run("check", "-f", "kv", "--fail-on-warnings", rejected).returncode == 3
+    # The JSON report's exit_code stays the verdict's.
+    document = json.loads(run("check", "-f", "json", "--fail-on-warnings", warned).stdout)
+    assert (document["decision"], document["exit_code"]) == ("CONTINUE_BOUNDED_DIAGNOSTICS", 0)
+
+
+def test_threshold_options_change_which_warnings_fire(tmp_path: Path) -> None:
+    warned = str(_warned_writer().write(tmp_path / "b"))
+
+    def warnings(*options: str) -> list[str]:
+        done = run("check", "-f", "kv", *options, warned)
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if line.startswith("warning=")]
+
+    assert warnings() == WARNED_KV[1:]
+    assert warnings("--near-max-bits", "0.5") == WARNED_KV[2:]  # 0.71 bits of headroom
+    assert warnings("--near-max-bits", "0") == WARNED_KV[2:]
+    assert warnings("--underflow-share", "0.75") == WARNED_KV[1:3]  # exactly 6 of 8 zero
+    assert warnings("--underflow-share", "0.7") == WARNED_KV[1:]
+    assert warnings("--underflow-dtypes", "BF16,F8_E4M3") == WARNED_KV[1:3]
+    assert warnings("--underflow-dtypes", " F16 ") == WARNED_KV[1:]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [
+        ("--near-max-bits", "x", "'x' is not a number"),
+        ("--near-max-bits", "inf", "'inf' is not a finite number"),
+        ("--near-max-bits", "-1", "near_max_bits must be finite and >= 0"),
+        ("--underflow-share", "1.5", "underflow_share must be within [0, 1]"),
+        ("--underflow-dtypes", "F16,I32", "not floating dtypes: I32"),
+    ],
+)
+def test_a_threshold_out_of_range_is_a_usage_error(option: str, value: str, reason: str) -> None:
+    done = run("check", option, value, str(FIXTURES / "hold-loss"))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert f"'{option}'" in done.stderr and reason in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_continue_checklist_lists_the_warnings_to_look_at(tmp_path: Path) -> None:
+    steps = _steps(check_bundle(_warned_writer().write(tmp_path / "b")))
+    assert steps["look-at-warnings"] == (
+        "3 warnings, upstream first: NEAR_DTYPE_MAX at batch/x (input); AT_DTYPE_MAX at "
+        "act/b (forward); GRADIENT_UNDERFLOW at grad/w (backward)."
+    )
+    assert "hold-the-update" not in steps
+
+
+def test_hold_checklist_names_warnings_upstream_and_at_the_stage(tmp_path: Path) -> None:
+    steps = _steps(check_bundle(_wide_stage_bundle(tmp_path)))
+    assert steps["inspect-upstream-extremes"].endswith(
+        " Warnings upstream: AT_DTYPE_MAX at batch/x (input)."
+    )
+    # HOLD at backward, where the mostly-zero gradient's warning is.
+    report = check_bundle(_warned_writer(nonfinite_gradient=True).write(tmp_path / "hold"))
+    assert report.decision.earliest_nonfinite_stage == "backward"
+    steps = _steps(report)
+    assert steps["gradient-path"].endswith(
+        " Warnings here: GRADIENT_UNDERFLOW at grad/w (backward)."
+    )
+    assert steps["inspect-upstream-extremes"].endswith(
+        " Warnings upstream: NEAR_DTYPE_MAX at batch/x (input); AT_DTYPE_MAX at act/b (forward)."
+    )
