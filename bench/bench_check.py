@@ -112,7 +112,7 @@ def torch_available() -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1GiB", help="bundle size, e.g. 1GiB, 4GiB, 256MiB")
     parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
@@ -121,11 +121,10 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="another nanrunbook source tree, timed as 'base'"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    size = parse_size(args.size)
-    bundle = ensure_bundle(args.cache, size)
-    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+
+def build_commands(bundle: Path, args: argparse.Namespace) -> list[Command]:
     check = nanrunbook_argv()
     mine = tree_env(ROOT)
     commands = [
@@ -145,7 +144,10 @@ def main() -> None:
         )
     else:
         print("torch baseline skipped: torch is not installed (pip install torch==2.13.0)")
+    return commands
 
+
+def describe_setup(bundle: Path, data_bytes: int, baseline: Path | None) -> None:
     print(
         f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {len(tensor_files(bundle))} files)"
     )
@@ -158,27 +160,33 @@ def main() -> None:
     print("           and the bundle fits in memory, so each timed run reads the page cache")
     # An installed package has its bytecode compiled (pip does it); this tree may not,
     # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
-    for tree in [ROOT, *([args.baseline] if args.baseline else [])]:
+    for tree in [ROOT, *([baseline] if baseline else [])]:
         compile_tree = [sys.executable, "-m", "compileall", "-q", str(tree / "nanrunbook")]
         subprocess.run(compile_tree, check=True)
     print("bytecode   nanrunbook compiled first, as an installed package is")
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
     print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
-    for command in commands:  # warm-up, untimed
+
+
+def run_rounds(commands: list[Command], runs: int) -> None:
+    """An untimed warm-up of each, then ``runs`` rounds, each starting one later."""
+    for command in commands:
         command.run()
         command.walls.clear()
         command.cpus.clear()
         command.rss_kib.clear()
-    for round_ in range(args.runs):
+    for round_ in range(runs):
         order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
         for command in order:
             command.run()
         print(
-            f"round {round_ + 1}/{args.runs}: "
+            f"round {round_ + 1}/{runs}: "
             + "  ".join(f"{c.name} {c.walls[-1]:.3f}s" for c in commands),
             flush=True,
         )
 
+
+def report(commands: list[Command], args: argparse.Namespace, data_bytes: int) -> None:
     by = {c.name: c for c in commands}
     print()
     print(
@@ -191,32 +199,40 @@ def main() -> None:
             f" {c.peak_mb:12.1f}"
         )
     print()
-    ratio = by["check"].median / by["sha256"].median
-    gbps = data_bytes / by["check"].median / 1e9
+    check, sha = by["check"], by["sha256"]
     print(
-        f"check / sha256 floor  {ratio:.2f} x   (target <= 0.75, at least < 1.0)  check reads {gbps:.2f} GB/s"
+        f"check / sha256 floor  {check.median / sha.median:.2f} x   (target <= 0.75, at least"
+        f" < 1.0)  check reads {data_bytes / check.median / 1e9:.2f} GB/s"
     )
     if "torch" in by:
-        speedup = by["torch"].median / by["check"].median
-        print(f"torch / check         {speedup:.1f} x   (target >= 5)")
+        print(f"torch / check         {by['torch'].median / check.median:.1f} x   (target >= 5)")
     if "base" in by:
         base = by["base"]
         print(
-            f"base / sha256 floor   {base.median / by['sha256'].median:.2f} x   "
-            f"check / base {by['check'].median / base.median:.3f} x   ({args.baseline})"
+            f"base / sha256 floor   {base.median / sha.median:.2f} x   "
+            f"check / base {check.median / base.median:.3f} x   ({args.baseline})"
         )
         print(
-            f"cpu: check / base     {by['check'].cpu / base.cpu:.3f} x   "
-            f"check / sha256 {by['check'].cpu / by['sha256'].cpu:.2f} x (less sensitive to load)"
+            f"cpu: check / base     {check.cpu / base.cpu:.3f} x   "
+            f"check / sha256 {check.cpu / sha.cpu:.2f} x (less sensitive to load)"
         )
-    lib = by["library"].median / by["sha256"].median
+    lib = by["library"].median / sha.median
     print(f"library / sha256      {lib:.2f} x   (the same check without the CLI framework)")
-    print(
-        f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
-    )
+    size = show_size(parse_size(args.size))
+    print(f"check peak RSS        {check.peak_mb:.1f} MB (target <= 160) at {size}")
     print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
     print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
     print("                      others were running too and the ratios are pessimistic)")
+
+
+def main() -> None:
+    args = parse_args()
+    bundle = ensure_bundle(args.cache, parse_size(args.size))
+    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+    commands = build_commands(bundle, args)
+    describe_setup(bundle, data_bytes, args.baseline)
+    run_rounds(commands, args.runs)
+    report(commands, args, data_bytes)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,19 @@ class FloatFormat:
         """The smallest code with a normal value: codes below it are zero or subnormal."""
         return 1 << self.mantissa_bits if self.zero else 0
 
+    def value(self, bits: int) -> float:
+        """The value of one value's bits, sign included: NaN and infinities as encoded."""
+        code, negative = bits & self.code_mask, bool(bits & self.sign)
+        first = self.first_nonfinite
+        if self.nan == "negative_zero" and bits == self.sign:
+            return math.nan
+        if first is not None and code >= first:
+            if code == self.infinity_code:
+                return -math.inf if negative else math.inf
+            return math.nan
+        magnitude = self.decode(code)
+        return -magnitude if negative else magnitude
+
     def decode(self, code: int) -> float:
         """The exact magnitude of a finite code (as a float64: every format here fits)."""
         exponent, mantissa = code >> self.mantissa_bits, code & ((1 << self.mantissa_bits) - 1)

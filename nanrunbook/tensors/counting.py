@@ -62,7 +62,7 @@ import numpy.typing as npt
 from nanrunbook.dtypes import DTYPES, DType, FloatFormat
 from nanrunbook.records import Counts, Extremes
 
-__all__ = ["Counter", "Tally", "extremes_bytes", "tally_bytes"]
+__all__ = ["Counter", "Tally", "code_values", "extremes_bytes", "tally_bytes"]
 
 _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
@@ -478,3 +478,18 @@ def extremes_bytes(dtype: str, data: _Chunk) -> Extremes | None:
     counter = Counter(dtype)
     counter.feed(data)
     return counter.extremes()
+
+
+def code_values(dtype: str) -> tuple[float, ...]:
+    """The value of every bit pattern of a floating format of at most 8 bits, by code.
+
+    For the F8 formats, F6_E2M3, F6_E3M2 and F4 (for F6 and F4, the code of one
+    element, sign in its top bit): NaN and the infinities where the format has
+    them. Read from the dtype table, as the counter is, so comparison and counting
+    never disagree about what a code means. ValueError for any other dtype.
+    """
+    found = DTYPES.get(dtype)
+    fmt = None if found is None or found.kind != "float" else found.format
+    if fmt is None or fmt.bits > 8:
+        raise ValueError(f"{dtype} is not a floating format of at most 8 bits")
+    return tuple(fmt.value(bits) for bits in range(1 << fmt.bits))

@@ -1,7 +1,7 @@
 """The bundle on disk: manifest bytes, tensor files bound to entries, recounts.
 
 Read-only by construction: files are opened O_RDONLY, never mapped, and read in
-bounded chunks; no path leaves the bundle directory (see ``tensorfile``).
+bounded chunks; no path leaves the bundle directory (see :mod:`nanrunbook.access`).
 """
 
 from __future__ import annotations
@@ -87,6 +87,21 @@ def verify_bundle(
     with the total number of bytes to read.
     """
     violations: list[Violation] = []
+    opened = _open_files(bundle, _bound_by_file(manifest), violations)
+    scans: dict[str, TensorScan] = {}
+    try:
+        plans = [_plan_file(fd, relpath, bound) for fd, relpath, bound in opened]
+        violations.extend(_scan_plans(plans, scans, progress, workers))
+    finally:
+        for fd, _, _ in opened:
+            os.close(fd)
+    findings = tuple(_stage_finding(stage, scans) for stage in manifest.stages)
+    violations.extend(_recount_violations(manifest, findings))
+    return findings, violations
+
+
+def _bound_by_file(manifest: Manifest) -> dict[str, list[_Bound]]:
+    """Every complete-stage entry, by the file path its entry names."""
     by_file: dict[str, list[_Bound]] = {}
     for s_index, stage in enumerate(manifest.stages):
         if stage.status != "OBSERVED" or stage.resolution != "complete":
@@ -96,10 +111,18 @@ def verify_bundle(
             by_file.setdefault(entry.file, []).append(
                 _Bound(entry, f"$.stages[{s_index}].tensors[{t_index}]")
             )
+    return by_file
 
-    scans: dict[str, TensorScan] = {}
-    # Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
-    # one file: its tensors must be bound once across all of them.
+
+def _open_files(
+    bundle: Path, by_file: dict[str, list[_Bound]], violations: list[Violation]
+) -> list[tuple[int, str, list[_Bound]]]:
+    """Open each file once: (fd, the first path naming it, every entry bound to it).
+
+    Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
+    one file: its tensors must be bound once across all of them. A file that cannot
+    be opened adds its violations. The caller closes the fds.
+    """
     opened: dict[tuple[int, int], tuple[int, str, list[_Bound]]] = {}
     try:
         for relpath, bound in by_file.items():
@@ -115,36 +138,51 @@ def verify_bundle(
                 opened[identity][2].extend(bound)
             else:
                 opened[identity] = (fd, relpath, list(bound))
-        plans = [_plan_file(fd, relpath, bound) for fd, relpath, bound in opened.values()]
-        jobs = [job for plan in plans for job in plan.jobs]
-        start = getattr(progress, "start", None)
-        if callable(start):
-            start(sum(job.length for job in jobs))
-        # scan_range is looked up here, at call time, so a test may replace it.
-        results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
-        done = 0
-        for plan in plans:
-            mine = results[done : done + len(plan.jobs)]
-            done += len(plan.jobs)
-            violations.extend(_verify_file(plan, mine, scans))
-    finally:
+    except BaseException:
         for fd, _, _ in opened.values():
             os.close(fd)
+        raise
+    return list(opened.values())
 
-    findings = tuple(_stage_finding(stage, scans) for stage in manifest.stages)
+
+def _scan_plans(
+    plans: list[_FilePlan],
+    scans: dict[str, TensorScan],
+    progress: Progress | None,
+    workers: int | None,
+) -> list[Violation]:
+    """Scan every planned tensor at once; each file's violations, in manifest order."""
+    jobs = [job for plan in plans for job in plan.jobs]
+    start = getattr(progress, "start", None)
+    if callable(start):
+        start(sum(job.length for job in jobs))
+    # scan_range is looked up here, at call time, so a test may replace it.
+    results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
+    found: list[Violation] = []
+    done = 0
+    for plan in plans:
+        mine = results[done : done + len(plan.jobs)]
+        done += len(plan.jobs)
+        found.extend(_verify_file(plan, mine, scans))
+    return found
+
+
+def _recount_violations(manifest: Manifest, findings: tuple[StageFinding, ...]) -> list[Violation]:
+    """Declared counts and finite_max_abs of complete stages against the recount."""
+    found: list[Violation] = []
     for s_index, (stage, finding) in enumerate(zip(manifest.stages, findings, strict=True)):
         if stage.resolution != "complete" or any(t.counts is None for t in finding.tensors):
             continue
-        violations.extend(_compare_recount(stage.counts, finding, f"$.stages[{s_index}]"))
+        found.extend(_compare_recount(stage.counts, finding, f"$.stages[{s_index}]"))
         if stage.finite_max_abs_declared and stage.finite_max_abs != finding.finite_max_abs:
-            violations.append(
+            found.append(
                 Violation(
                     "FINITE_MAX_ABS_RECOUNT_MISMATCH",
                     f"$.stages[{s_index}].finite_max_abs",
                     f"declared {stage.finite_max_abs!r}, recounted {finding.finite_max_abs!r}",
                 )
             )
-    return findings, violations
+    return found
 
 
 @dataclass(frozen=True, slots=True)
