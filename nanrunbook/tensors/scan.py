@@ -285,9 +285,10 @@ def scan_all(
     measure the alternatives; ``workers=1`` never overlaps).
 
     Memory: each worker owns one buffer of ``chunk_size`` bytes (less when every
-    job is shorter), a second one while it overlaps, and one scratch chunk for
-    chunks that hold non-finite elements, zeros or subnormals: bounded by the
-    workers and the chunk size, whatever the size of the tensors.
+    job is shorter), a second one while it overlaps, and per tensor one scratch
+    chunk for chunks that hold non-finite elements (plus, while such a chunk is
+    counted, a copy of its finite values): bounded by the workers and the chunk
+    size, whatever the size of the tensors.
 
     An exception in the caller's thread while it waits (``KeyboardInterrupt``
     from Ctrl-C, or one raised by ``progress``) stops the workers at their next
