@@ -26,10 +26,10 @@ from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.followup import checklist_for
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.precision import WarningThresholds, early_warnings
 from nanrunbook.verdict.report import Report
-from nanrunbook.verdict.runbook import checklist
 
 __all__ = ["BundleRejected", "check_bundle", "judge_bundle"]
 
@@ -102,9 +102,11 @@ def check_bundle(
         manifest=manifest,
         stages=findings,
         decision=decision,
-        checklist=checklist(decision.earliest_nonfinite_stage),
+        checklist=(),
     )
-    return replace(report, warnings=early_warnings(report, thresholds))
+    report = replace(report, warnings=early_warnings(report, thresholds))
+    # The checklist names the evidence, warnings included: it is built last.
+    return replace(report, checklist=checklist_for(report))
 
 
 def judge_bundle(
@@ -113,11 +115,14 @@ def judge_bundle(
     caps: Caps | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
+    thresholds: WarningThresholds | None = None,
 ) -> Judgement:
     """:func:`check_bundle`, with a rejection as a value instead of raised, and what
     the manifest declares (contract, run, step, topology) beside either answer."""
     try:
-        report = check_bundle(path, caps=caps, progress=progress, workers=workers)
+        report = check_bundle(
+            path, caps=caps, progress=progress, workers=workers, thresholds=thresholds
+        )
     except EvidenceRejected as error:
         declared = error.declared if isinstance(error, BundleRejected) else NOTHING_DECLARED
         return Judgement(str(Path(path)), contract_content_id(caps), declared, None, error)

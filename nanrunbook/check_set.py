@@ -36,6 +36,7 @@ from nanrunbook.tensors.scan import default_workers
 from nanrunbook.tensors.verify import Progress
 from nanrunbook.verdict.incident_set import IncidentSet, SetMember, judge_set
 from nanrunbook.verdict.judgement import Judgement
+from nanrunbook.verdict.precision import WarningThresholds
 
 __all__ = ["check_incident_set", "check_path", "is_incident_set"]
 
@@ -66,12 +67,12 @@ def check_path(
     caps: Caps | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
+    thresholds: WarningThresholds | None = None,
 ) -> Judgement | IncidentSet:
     """What ``nanrunbook check`` answers for one path: the set's verdict when it is
     an incident set (see :func:`is_incident_set`), else the bundle's judgement."""
-    if is_incident_set(path):
-        return check_incident_set(path, caps=caps, progress=progress, workers=workers)
-    return judge_bundle(path, caps=caps, progress=progress, workers=workers)
+    check = check_incident_set if is_incident_set(path) else judge_bundle
+    return check(path, caps=caps, progress=progress, workers=workers, thresholds=thresholds)
 
 
 def check_incident_set(
@@ -80,6 +81,7 @@ def check_incident_set(
     caps: Caps | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
+    thresholds: WarningThresholds | None = None,
 ) -> IncidentSet:
     """Judge the incident set in the directory ``path`` (spec section 11).
 
@@ -104,7 +106,7 @@ def check_incident_set(
     judged = dict(
         zip(
             (entry.name for entry in inside),
-            _judge_members([entry.path for entry in inside], caps, progress, workers),
+            _judge_members([entry.path for entry in inside], caps, progress, workers, thresholds),
             strict=True,
         )
     )
@@ -183,7 +185,11 @@ class _Turn:
 
 
 def _judge_members(
-    paths: Sequence[Path], caps: Caps, progress: Progress | None, workers: int | None
+    paths: Sequence[Path],
+    caps: Caps,
+    progress: Progress | None,
+    workers: int | None,
+    thresholds: WarningThresholds | None,
 ) -> list[Judgement]:
     """Judge every member bundle; the results in the order of ``paths``."""
     budget = max(1, workers if workers is not None else default_workers())
@@ -198,7 +204,11 @@ def _judge_members(
         try:
             if turn.acquire(cancel):
                 results[index] = judge_bundle(
-                    paths[index], caps=caps, progress=_MemberProgress(shared, turn), workers=share
+                    paths[index],
+                    caps=caps,
+                    progress=_MemberProgress(shared, turn),
+                    workers=share,
+                    thresholds=thresholds,
                 )
         except BaseException as error:  # raised again in the caller's thread
             results[index] = error

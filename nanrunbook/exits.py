@@ -24,11 +24,11 @@ class Exit(IntEnum):
     INTERRUPTED = 130  # Ctrl-C
 
 
-_SEVERITY = (Exit.REJECTED, Exit.HOLD, Exit.CONTINUE)
+_SEVERITY = (Exit.REJECTED, Exit.HOLD, Exit.WARNINGS, Exit.CONTINUE)
 
 
 def most_severe(codes: Iterable[int]) -> int:
     """The answer for several verdicts at once: rejected (3), then HOLD (1), then
-    CONTINUE (0). Empty: CONTINUE."""
+    warnings (5, only when asked to fail on them), then CONTINUE (0). Empty: CONTINUE."""
     given = set(codes)
     return next((code for code in _SEVERITY if code in given), Exit.CONTINUE)

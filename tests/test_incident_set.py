@@ -721,6 +721,7 @@ def test_most_severe() -> None:
 
     assert most_severe([0, 1, 3, 0]) == 3
     assert most_severe([0, 1, 0]) == 1
+    assert most_severe([5, 1, 0]) == 1 and most_severe([0, 5]) == 5
     assert most_severe([0, 0]) == 0
     assert most_severe([]) == 0
 
@@ -804,3 +805,21 @@ def test_hostile_member_names_stay_inert_in_every_format(tmp_path: Path) -> None
             lines = done.stdout.splitlines()
             assert "violation=SET_RANK_DUPLICATE rank-00001" in lines
             assert "violation=DIGEST_MISMATCH [?]/$.stages[4].tensors[1].sha256" in lines
+
+
+def test_brief_and_fail_on_warnings_for_sets(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "set", 2, ranks=[1])
+    rank_bundle(root / "rank-00000", rank=0, world_size=2, saturate=True)
+    assert run("check", "--format", "kv", str(root)).returncode == 0
+    done = run("check", "--fail-on-warnings", "--format", "kv", str(root))
+    assert done.returncode == 5 and "decision=CONTINUE_BOUNDED_DIAGNOSTICS" in done.stdout
+    brief = run("check", "--brief", str(root))
+    assert brief.returncode == 0 and len(brief.stdout.splitlines()) <= 6
+    held = make_set(tmp_path / "held", 2, holds={0: "input"})
+    paths = [str(root), str(held)]
+    assert run("check", "--fail-on-warnings", *paths).returncode == 1  # 1 before 5
+    assert run("check", "--fail-on-warnings", str(root), str(root)).returncode == 5
+    assert run("check", "--fail-on-warnings", str(root), str(tmp_path / "no")).returncode == 3
+    rejected_brief = run("check", "--brief", str(make_set(tmp_path / "part", 3, ranks=[0])))
+    assert rejected_brief.returncode == 3
+    assert rejected_brief.stdout.splitlines()[1].split() == ["SET_RANKS_MISSING", "."]

@@ -12,34 +12,46 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from nanrunbook.contract import Caps
 from nanrunbook.errors import EvidenceRejected
+
+if TYPE_CHECKING:
+    from nanrunbook.output.base import Renderer
+    from nanrunbook.verdict.precision import WarningThresholds
 
 __all__ = ["emit", "emit_rejection", "judge", "judge_many", "silence"]
 
 
 def judge(
-    bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None, progress: bool = False
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    progress: bool = False,
+    brief: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
 ) -> int:
     """Check ``bundle`` (a bundle, or an incident set of rank bundles), write the
     verdict in ``fmt`` to ``out``, and return the exit code. ``progress`` shows the
     read's bar on stderr at a terminal; it is erased before anything is written to
-    ``out``."""
+    ``out``. ``brief`` (text only) writes at most six lines. ``fail_on_warnings``
+    turns a CONTINUE with warnings into exit 5."""
     from nanrunbook.check_set import check_path
     from nanrunbook.output.progress import check_progress
-    from nanrunbook.output.renderers import RENDERERS
     from nanrunbook.verdict.incident_set import IncidentSet
 
-    renderer = RENDERERS[fmt]
     with check_progress(progress) as bar:
-        outcome = check_path(bundle, caps=caps, progress=bar)
+        outcome = check_path(bundle, caps=caps, progress=bar, thresholds=thresholds)
+    renderer = _renderer(fmt, brief)
     if isinstance(outcome, IncidentSet):
         emit(functools.partial(renderer.incident_set, outcome, out), out)
     else:
         emit(functools.partial(renderer.judgement, outcome, out), out)
-    return outcome.exit_code
+    return outcome.exit_code_for(fail_on_warnings=fail_on_warnings)
 
 
 def judge_many(
@@ -49,9 +61,11 @@ def judge_many(
     *,
     caps: Caps | None = None,
     progress: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
 ) -> int:
     """Check each path on its own, in order; write every verdict at once in ``fmt``
-    and return the most severe exit code (3, then 1, then 0)."""
+    and return the most severe exit code (3, then 1, then 5, then 0)."""
     from nanrunbook.check_set import check_path
     from nanrunbook.exits import most_severe
     from nanrunbook.output.progress import check_progress
@@ -60,22 +74,38 @@ def judge_many(
     outcomes = []
     for path in paths:
         with check_progress(progress) as bar:
-            outcomes.append(check_path(path, caps=caps, progress=bar))
+            outcomes.append(check_path(path, caps=caps, progress=bar, thresholds=thresholds))
     emit(functools.partial(RENDERERS[fmt].many, outcomes, out), out)
-    return most_severe(outcome.exit_code for outcome in outcomes)
+    codes = (outcome.exit_code_for(fail_on_warnings=fail_on_warnings) for outcome in outcomes)
+    return most_severe(codes)
 
 
 def emit_rejection(
-    error: EvidenceRejected, bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None
+    error: EvidenceRejected,
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    brief: bool = False,
 ) -> int:
     """Write a rejection in ``fmt``; return its exit code."""
     from nanrunbook.contract import contract_content_id
-    from nanrunbook.output.renderers import RENDERERS
 
-    renderer = RENDERERS[fmt]
+    renderer = _renderer(fmt, brief)
     content_id = contract_content_id(caps)
     emit(functools.partial(renderer.rejection, error, str(bundle), content_id, out), out)
     return error.exit_code
+
+
+def _renderer(fmt: str, brief: bool) -> Renderer:
+    from nanrunbook.output.renderers import RENDERERS
+    from nanrunbook.output.text import TextRenderer
+
+    if brief:
+        assert fmt == "text", "--brief is refused with other formats before the check"
+        return TextRenderer(brief=True)
+    return RENDERERS[fmt]
 
 
 def emit(write: Callable[[], None], out: IO[str]) -> None:

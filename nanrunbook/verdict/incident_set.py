@@ -158,6 +158,13 @@ class IncidentSet:
     def exit_code(self) -> int:
         return {HOLD: Exit.HOLD, CONTINUE: Exit.CONTINUE}.get(self.decision, Exit.REJECTED)
 
+    def exit_code_for(self, *, fail_on_warnings: bool = False) -> int:
+        """The exit code; a CONTINUE whose members warn is WARNINGS (5) when the
+        caller asked to fail on warnings. A HOLD stays HOLD."""
+        if fail_on_warnings and self.decision == CONTINUE and any(m.warnings for m in self.members):
+            return Exit.WARNINGS
+        return self.exit_code
+
     @property
     def ranks_present(self) -> int:
         return len(self.ranks)

@@ -33,3 +33,9 @@ class Judgement:
         if self.report is not None:
             return self.report.exit_code
         return Exit.REJECTED
+
+    def exit_code_for(self, *, fail_on_warnings: bool = False) -> int:
+        """The exit code; a CONTINUE with warnings is 5 when asked (see Report)."""
+        if self.report is not None:
+            return self.report.exit_code_for(fail_on_warnings=fail_on_warnings)
+        return Exit.REJECTED
