@@ -268,7 +268,7 @@ def _manifest_unopened(bundle: Path, code: str) -> EvidenceRejected:
     the bundle and, for a directory of bundles, what it holds."""
     shown = quote(str(bundle))
     if code == "FILE_MISSING":
-        message = f"bundle {shown} has none"  # the where names the file
+        message = f"bundle {shown} has no manifest.json"
         members = bundles_below(bundle)
         sets = [] if members else sets_below(bundle)
         if members:
