@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,9 +19,28 @@ __all__ = [
     "StageRecord",
     "TensorEntry",
     "TensorFinding",
+    "element_count",
 ]
 
 STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
+
+
+def element_count(shape: Iterable[int], limit: int) -> int | None:
+    """The product of the dims (1 for a scalar), or None once it passes ``limit``.
+
+    Python ints never overflow, but a long shape of huge dims would make one huge
+    product slowly; every caller has a bound past which the count is refused.
+    """
+    dims = tuple(shape)
+    if 0 in dims:
+        return 0
+    count = 1
+    for dim in dims:
+        count *= dim
+        if count > limit:
+            return None
+    return count
+
 
 Status = Literal["OBSERVED", "NOT_RUN"]
 CountsSource = Literal["recounted", "declared"]

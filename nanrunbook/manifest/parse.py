@@ -14,10 +14,17 @@ from types import MappingProxyType
 from typing import Any
 
 from nanrunbook.access import check_relative_path
-from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
+from nanrunbook.contract import (
+    BUNDLE_FORMAT,
+    CONTRACT_VERSION,
+    MAX_FREE_TEXT,
+    MAX_TENSOR_NAME,
+    Caps,
+)
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import Violation
 from nanrunbook.manifest import rules as rules
+from nanrunbook.manifest.content_id import EVIDENCE_ID_FORM, EVIDENCE_ID_PREFIX
 from nanrunbook.manifest.fields import Fields, Sink, is_integer, is_number, json_type
 from nanrunbook.records import (
     STAGE_ORDER,
@@ -28,14 +35,12 @@ from nanrunbook.records import (
     Scaler,
     StageRecord,
     TensorEntry,
+    element_count,
 )
-from nanrunbook.strictjson import child_path
+from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path, power_of_two_text
 
 __all__ = ["CODES", "parse_manifest"]
 
-from nanrunbook.manifest.content_id import EVIDENCE_ID_PREFIX
-
-EVIDENCE_ID_FORM = re.compile(re.escape(EVIDENCE_ID_PREFIX) + r"[0-9a-f]{64}")
 SHA256_FORM = re.compile(r"[0-9a-f]{64}")
 
 TOP_LEVEL_FIELDS = (
@@ -154,9 +159,10 @@ def parse_manifest(
         sink.violations.extend(rules.stage_set_violations(stages, "$.stages", caps or Caps()))
         if binding is not None:
             gradients = next((s.gradients for s in stages if s.stage == "backward"), None)
-            sink.violations.extend(
-                rules.scaler_stage_violations(binding.scaler, stages, "$", gradients=gradients)
-            )
+            scaler = binding.scaler
+            sink.violations.extend(rules.scaled_gradients_violations(scaler, gradients, "$"))
+            # Against the declared counts here, so a contradiction costs no data read.
+            sink.violations.extend(rules.found_inf_violations(scaler, stages, "$"))
 
     if sink.violations:
         return None, sink.violations
@@ -437,13 +443,57 @@ def _tensors(sink: Sink, rec: Fields, resolution: str | None) -> tuple[TensorEnt
         sink.add("TENSORS_EMPTY", rec.at("tensors"), "an OBSERVED stage lists at least one tensor")
         return None
     before = len(sink)
+    path = rec.at("tensors")
+    safe_files: set[str] = set()
     parsed = [
-        _tensor(sink, e, child_path(rec.at("tensors"), i), resolution)
-        for i, e in enumerate(entries)
+        _plain_tensor(entry, resolution, safe_files)
+        or _tensor(sink, entry, child_path(path, index), resolution)
+        for index, entry in enumerate(entries)
     ]
     if len(sink) > before:
         return None
     return tuple(p for p in parsed if p is not None)
+
+
+# The only keys of a tensor entry, by resolution.
+_ENTRY_KEYS = {
+    "complete": frozenset(("name", "dtype", "shape", "probe", "file", "sha256")),
+    "summary": frozenset(("name", "dtype", "shape", "probe")),
+}
+MAX_ELEMENTS = MAX_SAFE_INTEGER  # no cap can be higher (Caps), no count can declare more
+
+
+def _plain_tensor(value: Any, resolution: str | None, safe_files: set[str]) -> TensorEntry | None:
+    """The entry a producer writes, read without the detailed path's bookkeeping.
+
+    Returns None unless every field is plainly right; the detailed path
+    (:func:`_tensor`) then reads the entry again and words each problem. It accepts
+    every entry this accepts, with the same result (tests/test_parse_fast.py).
+    """
+    keys = _ENTRY_KEYS.get(resolution or "")
+    if type(value) is not dict or keys is None or value.keys() != keys:
+        return None
+    name, dtype, shape, probe = value["name"], value["dtype"], value["shape"], value["probe"]
+    if not (type(name) is str and 0 < len(name) <= MAX_TENSOR_NAME and name.isprintable()):
+        return None
+    if not (type(probe) is str and len(probe) <= MAX_FREE_TEXT and probe.isprintable()):
+        return None
+    if type(dtype) is not str or dtype not in DTYPES or type(shape) is not list:
+        return None
+    if any(type(dim) is not int or dim < 0 for dim in shape):
+        return None
+    if element_count(shape, MAX_ELEMENTS) is None:
+        return None
+    file = sha256 = None
+    if resolution == "complete":
+        file, sha256 = value["file"], value["sha256"]
+        if type(sha256) is not str or not SHA256_FORM.fullmatch(sha256) or type(file) is not str:
+            return None
+        if file not in safe_files:
+            if check_relative_path(file):
+                return None
+            safe_files.add(file)
+    return TensorEntry(name, dtype, tuple(shape), probe, file, sha256)
 
 
 def _tensor(sink: Sink, value: Any, path: str, resolution: str | None) -> TensorEntry | None:
@@ -473,12 +523,13 @@ def _tensor(sink: Sink, value: Any, path: str, resolution: str | None) -> Tensor
     shape = entry.array("shape")
     if shape is not None and not all(is_integer(d) and d >= 0 for d in shape):
         sink.add("SHAPE_INVALID", entry.at("shape"), "a shape is an array of integers >= 0")
-    elif shape is not None and _holds_more_than(shape, MAX_ELEMENTS):
+    elif shape is not None and element_count(shape, MAX_ELEMENTS) is None:
         # Past every cap; stop before a product of thousands of digits is computed.
         sink.add(
             "CAP_STAGE_ELEMENTS",
             entry.at("shape"),
-            "the shape alone holds more than 2^53 - 1 elements, above any cap",
+            f"the shape alone holds more than {power_of_two_text(MAX_ELEMENTS)} elements,"
+            " above any cap",
         )
     if len(sink) > before:
         return None
@@ -486,18 +537,3 @@ def _tensor(sink: Sink, value: Any, path: str, resolution: str | None) -> Tensor
     return TensorEntry(
         name=name, dtype=dtype, shape=tuple(shape), probe=probe, file=file, sha256=sha256
     )
-
-
-MAX_ELEMENTS = 2**53 - 1  # no cap can be higher (Caps), no count can declare more
-
-
-def _holds_more_than(shape: list[int], limit: int) -> bool:
-    """Whether the product of ``shape`` exceeds ``limit``, without computing a huge one."""
-    if 0 in shape:
-        return False
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > limit:
-            return True
-    return False

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from nanrunbook import strictjson
 from nanrunbook.access import file_where, os_error
+from nanrunbook.contract import TENSOR_HEADER_MAX_BYTES
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
+from nanrunbook.records import element_count
+from nanrunbook.strictjson import Dialect, pairs_of, parse_json
 
 __all__ = [
     "CODES",
@@ -31,7 +35,7 @@ __all__ = [
     "read_header",
 ]
 
-MAX_HEADER_LEN = 100_000_000
+MAX_HEADER_LEN = TENSOR_HEADER_MAX_BYTES
 _U64_MAX = 2**64 - 1
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 _METADATA = "__metadata__"
@@ -43,7 +47,7 @@ CODES: dict[str, str] = {
     "HEADER_NOT_UTF8": "a safetensors header is not UTF-8",
     "HEADER_INVALID_JSON": (
         "a safetensors header is not one JSON object from '{' to '}' (space padding allowed),"
-        " uses NaN/Infinity, or nests too deep"
+        " uses NaN/Infinity, escapes a lone surrogate, or nests too deep"
     ),
     "HEADER_DUPLICATE_NAME": "a safetensors header names the same tensor twice",
     "HEADER_FIELD_UNKNOWN": "a tensor entry has a field other than dtype, shape, data_offsets",
@@ -85,43 +89,21 @@ class TensorFileHeader:
 
 # -------------------------------------------------------------------------- header
 
-
-class _Object:
-    """A parsed JSON object, every key/value pair kept in order (duplicates included)."""
-
-    __slots__ = ("pairs",)
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        self.pairs = pairs
-
-
-class _HugeInteger:
-    """An integer literal too long to be a u64 (kept out of ``int()``, which is slow)."""
-
-    __slots__ = ()
-
-
-class _NonFiniteLiteral(ValueError):
-    pass
-
-
-def _parse_int(text: str) -> int | _HugeInteger:
-    return _HugeInteger() if len(text.lstrip("-")) > 20 else int(text)
-
-
-def _parse_constant(text: str) -> Any:
-    raise _NonFiniteLiteral(text)
-
-
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_Object,
-    parse_int=_parse_int,
-    parse_constant=_parse_constant,
+# The strict reader's rules, each a malformed header here. Control characters
+# are not refused (the reference reader allows them; names are only shown
+# quoted), and repeated keys are worded below, where their meaning is known.
+HEADER_JSON = Dialect(
+    codes={
+        strictjson.NONFINITE: "HEADER_INVALID_JSON",
+        strictjson.LONE_SURROGATE: "HEADER_INVALID_JSON",
+        strictjson.TOO_DEEP: "HEADER_INVALID_JSON",
+    },
+    max_integer=_U64_MAX,
 )
 
 
 def _is_u64(value: object) -> bool:
-    # bool is an int subclass; floats such as 2.0 are not integers either.
+    # bool is an int subclass; floats such as 2.0 (or -0) are not integers either.
     return type(value) is int and 0 <= value <= _U64_MAX
 
 
@@ -137,11 +119,12 @@ def _read_exactly(fd: int, count: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-@dataclass(slots=True)
-class _Range:
-    name: str
-    begin: int  # relative to the data area
-    end: int
+class _Refused(Exception):
+    """One header violation that ends the reading: (code, message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) -> TensorFileHeader:
@@ -155,17 +138,33 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     """
     where = file_where(relpath)
     shown = quote(relpath)
-
-    def fail(code: str, message: str) -> EvidenceRejected:
-        return EvidenceRejected([Violation(code, where, f"{shown}: {message}")])
-
     try:
         size = os.fstat(fd).st_size
-        prefix = _read_exactly(fd, 8, 0) if size >= 8 else b""
+        header_len = _header_length(fd, size, max_header_len)
+        root = _parse_header(_header_bytes(fd, relpath, header_len))
+    except _Refused as refused:
+        raise EvidenceRejected([Violation(refused.code, where, f"{shown}: {refused}")]) from None
     except OSError as err:
-        raise os_error(relpath, err, "reading its header length") from None
+        raise os_error(relpath, err, "reading its header") from None
+
+    violations: list[Violation] = []
+
+    def add(code: str, message: str) -> None:
+        violations.append(Violation(code, where, f"{shown}: {message}"))
+
+    data_start = 8 + header_len
+    entries = _check_entries(root, size - data_start, data_start, add)
+    if violations:
+        raise EvidenceRejected(violations)
+    return TensorFileHeader(
+        path=relpath, size=size, data_start=data_start, entries=MappingProxyType(entries)
+    )
+
+
+def _header_length(fd: int, size: int, max_header_len: int) -> int:
+    prefix = _read_exactly(fd, 8, 0) if size >= 8 else b""
     if len(prefix) < 8:
-        raise fail(
+        raise _Refused(
             "HEADER_LENGTH_INVALID",
             f"the file is {size} bytes, shorter than the 8-byte header length",
         )
@@ -183,182 +182,201 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     elif 8 + header_len > size:
         problem = f"header length {header_len} runs past the end of the {size}-byte file"
     if problem is not None:
-        raise fail("HEADER_LENGTH_INVALID", problem)
+        raise _Refused("HEADER_LENGTH_INVALID", problem)
+    return header_len
 
-    try:
-        raw = _read_exactly(fd, header_len, 8)
-    except OSError as err:
-        raise os_error(relpath, err, "reading its header") from None
+
+def _header_bytes(fd: int, relpath: str, header_len: int) -> bytes:
+    raw = _read_exactly(fd, header_len, 8)
     if len(raw) < header_len:
-        raise fail("HEADER_LENGTH_INVALID", "the file shrank while its header was read")
+        raise _Refused("HEADER_LENGTH_INVALID", "the file shrank while its header was read")
+    return raw
 
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    """The header object, read by the strict reader under :data:`HEADER_JSON`."""
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise fail(
-            "HEADER_NOT_UTF8", f"header is not UTF-8 (invalid byte at {err.start})"
-        ) from None
-    if not text.startswith("{"):
-        raise fail("HEADER_INVALID_JSON", "header does not start with '{'")
-    body = text.rstrip(" ")  # the reference writer pads with spaces, and only spaces
-    if not body.endswith("}"):
-        raise fail(
+        message = f"header is not UTF-8 (invalid byte at {err.start})"
+        raise _Refused("HEADER_NOT_UTF8", message) from None
+    if not raw.startswith(b"{"):
+        raise _Refused("HEADER_INVALID_JSON", "header does not start with '{'")
+    body = raw.rstrip(b" ")  # the reference writer pads with spaces, and only spaces
+    if not body.endswith(b"}"):
+        raise _Refused(
             "HEADER_INVALID_JSON", "header does not end with '}' followed only by space padding"
         )
     try:
-        parsed = _DECODER.decode(body)
-    except _NonFiniteLiteral as err:
-        raise fail("HEADER_INVALID_JSON", f"header uses the literal {quote(err)}") from None
+        parsed = parse_json(body, HEADER_JSON)
     except json.JSONDecodeError as err:
-        raise fail("HEADER_INVALID_JSON", f"{err.msg} at byte {err.pos} of the header") from None
+        message = f"{err.msg} at byte {err.pos} of the header"
+        raise _Refused("HEADER_INVALID_JSON", message) from None
     except RecursionError:
-        raise fail("HEADER_INVALID_JSON", "header nests too deep (a valid one is 3 deep)") from None
-    except ValueError as err:  # defensive: any other literal the decoder refuses
-        raise fail("HEADER_INVALID_JSON", f"header is not valid JSON ({quote(err)})") from None
-    if not isinstance(parsed, _Object):
-        raise fail("HEADER_INVALID_JSON", "header is not a JSON object")
+        message = "header nests too deep (a valid one is 3 deep)"
+        raise _Refused("HEADER_INVALID_JSON", message) from None
+    if parsed.violations:
+        first = parsed.violations[0]  # one is enough: the header is not JSON the format allows
+        raise _Refused(first.code, f"header {first.where}: {first.message}")
+    if not isinstance(parsed.value, dict):
+        raise _Refused("HEADER_INVALID_JSON", "header is not a JSON object")
+    return parsed.value
 
-    data_start = 8 + header_len
-    violations, entries = _check_entries(parsed, size - data_start, data_start, where, shown)
-    if violations:
-        raise EvidenceRejected(violations)
-    return TensorFileHeader(
-        path=relpath, size=size, data_start=data_start, entries=MappingProxyType(entries)
-    )
+
+_Add = Callable[[str, str], None]
+# A tensor's byte range relative to the data area, with its header position
+# (to keep header order among equal ranges) and name.
+_Range = tuple[int, int, int, str]
 
 
 def _check_entries(
-    root: _Object, data_size: int, data_start: int, where: str, shown: str
-) -> tuple[list[Violation], dict[str, HeaderEntry]]:
-    violations: list[Violation] = []
-
-    def add(code: str, message: str) -> None:
-        violations.append(Violation(code, where, f"{shown}: {message}"))
-
+    root: dict[str, Any], data_size: int, data_start: int, add: _Add
+) -> dict[str, HeaderEntry]:
+    """Every entry checked, and its range in the tiling; the well-formed ones returned."""
     entries: dict[str, HeaderEntry] = {}
     ranges: list[_Range] = []
     names: set[str] = set()
     all_ranges_known = True
     seen_metadata = False
-    for name, value in root.pairs:
+    for index, (name, value) in enumerate(pairs_of(root)):
         if name == _METADATA:
             if seen_metadata:
                 add("HEADER_FIELD_INVALID", "__metadata__ appears twice")
             seen_metadata = True
             _check_metadata(value, add)
             continue
-        tensor = quote(name)
         if name in names:
-            add("HEADER_DUPLICATE_NAME", f"tensor {tensor} appears more than once")
+            add("HEADER_DUPLICATE_NAME", f"tensor {quote(name)} appears more than once")
         names.add(name)
-        if not isinstance(value, _Object):
-            add("HEADER_FIELD_INVALID", f"tensor {tensor}: entry is not an object")
+        found = _plain_entry(name, value, data_start) or _detailed_entry(
+            name, value, data_start, add
+        )
+        begin, end, entry = found
+        if begin is None or end is None:
             all_ranges_known = False
             continue
-        fields: dict[str, Any] = {}
-        for key, item in value.pairs:
-            if key not in _TENSOR_FIELDS:
-                add("HEADER_FIELD_UNKNOWN", f"tensor {tensor}: unknown field {quote(key)}")
-            elif key in fields:
-                add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} appears twice")
-            else:
-                fields[key] = item
-        for key in _TENSOR_FIELDS:
-            if key not in fields:
-                add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} is missing")
-
-        dtype = fields.get("dtype")
-        if "dtype" in fields and not isinstance(dtype, str):
-            add("HEADER_FIELD_INVALID", f"tensor {tensor}: dtype is not a string")
-            dtype = None
-        elif isinstance(dtype, str) and dtype not in DTYPES:
-            add("HEADER_DTYPE_UNKNOWN", f"tensor {tensor}: unknown dtype {quote(dtype)}")
-            dtype = None
-
-        shape = fields.get("shape")
-        if "shape" in fields and not (
-            isinstance(shape, list) and all(_is_u64(dim) for dim in shape)
-        ):
-            add(
-                "HEADER_FIELD_INVALID",
-                f"tensor {tensor}: shape is not a list of integers in [0, 2^64-1]",
-            )
-            shape = None
-
-        offsets = fields.get("data_offsets")
-        if "data_offsets" in fields and not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_u64(o) for o in offsets)
-            and offsets[0] <= offsets[1]
-        ):
-            add(
-                "HEADER_FIELD_INVALID",
-                f"tensor {tensor}: data_offsets is not two integers 0 <= begin <= end < 2^64",
-            )
-            offsets = None
-        if offsets is None:
-            all_ranges_known = False
-            continue
-        begin, end = offsets
-        ranges.append(_Range(name, begin, end))
-
-        if dtype is None or shape is None:
-            continue
-        elements = _element_count(shape)
-        expected = None if elements is None else DTYPES[dtype].nbytes(elements)
-        if elements is None:
-            add(
-                "HEADER_LENGTH_MISMATCH",
-                f"tensor {tensor}: byte range is {end - begin} bytes but {dtype}"
-                f" shape {quote(shape)} has more than 2^64 elements",
-            )
-        elif expected is None:
-            add(
-                "HEADER_SUBBYTE_ALIGNMENT",
-                f"tensor {tensor}: {elements} {dtype} elements are {elements * DTYPES[dtype].bits}"
-                " bits, not a whole number of bytes",
-            )
-        elif end - begin != expected:
-            add(
-                "HEADER_LENGTH_MISMATCH",
-                f"tensor {tensor}: byte range is {end - begin} bytes but {dtype}"
-                f" shape {quote(shape)} needs {expected}",
-            )
-        elif name not in entries:
-            entries[name] = HeaderEntry(
-                name, dtype, tuple(shape), data_start + begin, data_start + end
-            )
-
+        ranges.append((begin, end, index, name))
+        if entry is not None and name not in entries:
+            entries[name] = entry
     _check_tiling(ranges, data_size, all_ranges_known, add)
-    return violations, entries
+    return entries
 
 
-def _element_count(shape: list[int]) -> int | None:
-    """Product of the dims (1 for a scalar), or None past 2^64 elements.
-
-    Python ints never overflow, but a long shape of huge dims would make one huge
-    product slowly; no file can hold 2^64 elements, so stop there.
-    """
-    if 0 in shape:
-        return 0
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > _U64_MAX:
-            return None
-    return count
+_Entry = tuple[int | None, int | None, "HeaderEntry | None"]  # range (None: unknown), record
 
 
-_Add = Callable[[str, str], None]
+def _plain_entry(name: str, value: Any, data_start: int) -> _Entry | None:
+    """A well-formed entry, read without the detailed path's bookkeeping; None
+    sends it to :func:`_detailed_entry`, which accepts exactly the same entries."""
+    if type(value) is not dict or len(value) != 3:
+        return None
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    if type(dtype) is not str or dtype not in DTYPES:
+        return None
+    kind = DTYPES[dtype]
+    begin, end = offsets
+    if not (_is_u64(begin) and _is_u64(end) and begin <= end):
+        return None
+    if not all(_is_u64(dim) for dim in shape):
+        return None
+    elements = element_count(shape, _U64_MAX)
+    if elements is None or kind.nbytes(elements) != end - begin:
+        return None
+    return begin, end, HeaderEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _detailed_entry(name: str, value: Any, data_start: int, add: _Add) -> _Entry:
+    """An entry's range (None when unknown) and, when it is well-formed, its record;
+    every problem reported through ``add``."""
+    tensor = quote(name)
+    if not isinstance(value, dict):
+        add("HEADER_FIELD_INVALID", f"tensor {tensor}: entry is not an object")
+        return None, None, None
+    fields = _entry_fields(value, tensor, add)
+    dtype = fields.get("dtype")
+    if "dtype" in fields and not isinstance(dtype, str):
+        add("HEADER_FIELD_INVALID", f"tensor {tensor}: dtype is not a string")
+        dtype = None
+    elif isinstance(dtype, str) and dtype not in DTYPES:
+        add("HEADER_DTYPE_UNKNOWN", f"tensor {tensor}: unknown dtype {quote(dtype)}")
+        dtype = None
+    shape = fields.get("shape")
+    if "shape" in fields and not (isinstance(shape, list) and all(_is_u64(d) for d in shape)):
+        message = f"tensor {tensor}: shape is not a list of integers in [0, 2^64-1]"
+        add("HEADER_FIELD_INVALID", message)
+        shape = None
+    offsets = fields.get("data_offsets")
+    if "data_offsets" in fields and not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_u64(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        message = f"tensor {tensor}: data_offsets is not two integers 0 <= begin <= end < 2^64"
+        add("HEADER_FIELD_INVALID", message)
+        offsets = None
+    if offsets is None:
+        return None, None, None
+    begin, end = offsets
+    if (
+        dtype is None
+        or shape is None
+        or not _length_matches(tensor, dtype, shape, end - begin, add)
+    ):
+        return begin, end, None
+    return begin, end, HeaderEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _entry_fields(value: dict[str, Any], tensor: str, add: _Add) -> dict[str, Any]:
+    """The entry's known fields, first value of each; unknown, repeated and missing
+    fields reported."""
+    fields: dict[str, Any] = {}
+    for key, item in pairs_of(value):
+        if key not in _TENSOR_FIELDS:
+            add("HEADER_FIELD_UNKNOWN", f"tensor {tensor}: unknown field {quote(key)}")
+        elif key in fields:
+            add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} appears twice")
+        else:
+            fields[key] = item
+    for key in _TENSOR_FIELDS:
+        if key not in fields:
+            add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} is missing")
+    return fields
+
+
+def _length_matches(tensor: str, dtype: str, shape: list[int], length: int, add: _Add) -> bool:
+    """Whether the byte range length is what the dtype and shape need."""
+    elements = element_count(shape, _U64_MAX)
+    expected = None if elements is None else DTYPES[dtype].nbytes(elements)
+    if elements is None:
+        add(
+            "HEADER_LENGTH_MISMATCH",
+            f"tensor {tensor}: byte range is {length} bytes but {dtype}"
+            f" shape {quote(shape)} has more than 2^64 elements",
+        )
+    elif expected is None:
+        add(
+            "HEADER_SUBBYTE_ALIGNMENT",
+            f"tensor {tensor}: {elements} {dtype} elements are {elements * DTYPES[dtype].bits}"
+            " bits, not a whole number of bytes",
+        )
+    elif length != expected:
+        add(
+            "HEADER_LENGTH_MISMATCH",
+            f"tensor {tensor}: byte range is {length} bytes but {dtype}"
+            f" shape {quote(shape)} needs {expected}",
+        )
+    return elements is not None and expected == length
 
 
 def _check_metadata(value: Any, add: _Add) -> None:
-    if not isinstance(value, _Object):
+    if not isinstance(value, dict):
         add("HEADER_FIELD_INVALID", "__metadata__ is not an object")
         return
     keys: set[str] = set()
-    for key, item in value.pairs:
+    for key, item in pairs_of(value):
         if key in keys:
             add("HEADER_FIELD_INVALID", f"__metadata__ key {quote(key)} appears twice")
         keys.add(key)
@@ -375,32 +393,33 @@ def _check_tiling(ranges: list[_Range], data_size: int, complete: bool, add: _Ad
     range is unknown (invalid data_offsets), gaps and trailing bytes are not reported:
     the missing range might fill them; overlaps and ranges past the end still are.
     """
-    for r in ranges:
-        if r.end > data_size:
+    for begin, end, _, name in ranges:
+        if end > data_size:
             add(
                 "HEADER_OFFSETS_INVALID",
-                f"tensor {quote(r.name)}: byte range [{r.begin}, {r.end}) runs past the end"
+                f"tensor {quote(name)}: byte range [{begin}, {end}) runs past the end"
                 f" of the {data_size}-byte data area (data missing from the file)",
             )
     cursor = 0
     holder: _Range | None = None  # the range that reached ``cursor``
-    for r in sorted(ranges, key=lambda r: (r.begin, r.end)):
-        if r.begin > cursor:
-            gap_end = min(r.begin, data_size)
+    for here in sorted(ranges):  # by (begin, end), then header order
+        begin, end, _, name = here
+        if begin > cursor:
+            gap_end = min(begin, data_size)
             if complete and gap_end > cursor:
                 add(
                     "HEADER_OFFSETS_INVALID",
                     f"gap of {gap_end - cursor} unbound bytes at data offset {cursor},"
-                    f" before tensor {quote(r.name)}",
+                    f" before tensor {quote(name)}",
                 )
-        elif r.begin < cursor and holder is not None:
+        elif begin < cursor and holder is not None:
             add(
                 "HEADER_OFFSETS_INVALID",
-                f"tensor {quote(r.name)}: byte range [{r.begin}, {r.end}) overlaps tensor"
-                f" {quote(holder.name)} [{holder.begin}, {holder.end})",
+                f"tensor {quote(name)}: byte range [{begin}, {end}) overlaps tensor"
+                f" {quote(holder[3])} [{holder[0]}, {holder[1]})",
             )
-        if r.end >= cursor:
-            cursor, holder = r.end, r
+        if end >= cursor:
+            cursor, holder = end, here
     if complete and cursor < data_size:
         add(
             "HEADER_OFFSETS_INVALID",
