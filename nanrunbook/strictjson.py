@@ -53,7 +53,7 @@ MAX_SAFE_INTEGER = 2**53 - 1
 
 
 def power_of_two_text(limit: int) -> str:
-    """``2^53 - 1`` for 2**53 - 1: how the docs spell a bound of that form."""
+    """How the docs spell a bound one below a power of two: ``2^53 - 1``."""
     return f"2^{(limit + 1).bit_length() - 1} - 1"
 
 

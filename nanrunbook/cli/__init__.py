@@ -18,6 +18,7 @@ import typer
 from nanrunbook._version import __version__
 from nanrunbook.contract import Caps
 from nanrunbook.exits import Exit
+from nanrunbook.strictjson import MAX_SAFE_INTEGER
 
 app = typer.Typer(
     name="nanrunbook",
@@ -52,19 +53,21 @@ _DEFAULT = Caps()
 MaxStageElements = Annotated[
     int,
     typer.Option(
-        min=1, max=2**53 - 1, help="Cap on elements in one stage (changes the contract id)."
+        min=1, max=MAX_SAFE_INTEGER, help="Cap on elements in one stage (changes the contract id)."
     ),
 ]
 MaxBundleElements = Annotated[
     int,
     typer.Option(
-        min=1, max=2**53 - 1, help="Cap on elements in the whole bundle (changes the contract id)."
+        min=1,
+        max=MAX_SAFE_INTEGER,
+        help="Cap on elements in the whole bundle (changes the contract id).",
     ),
 ]
 MaxStageTensors = Annotated[
     int,
     typer.Option(
-        min=1, max=2**53 - 1, help="Cap on tensors in one stage (changes the contract id)."
+        min=1, max=MAX_SAFE_INTEGER, help="Cap on tensors in one stage (changes the contract id)."
     ),
 ]
 
