@@ -1,6 +1,7 @@
 """Benchmark: ``nanrunbook check`` on a big bundle against the SHA-256 floor and torch.
 
     python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch]
+                                [--manifest-only] [--compare-with SRC]
 
 Generates a bundle of ``--size`` bytes once into ``.bench-cache/`` (see
 ``bundlegen.py``), then times, alternating round by round so that the noise of
@@ -16,8 +17,22 @@ a shared machine falls on every command alike, each in its own subprocess:
   and the kv renderer in a plain ``python -c``: the difference to ``check`` is
   the cost of the command-line framework's start-up.
 
+The manifest side has rows of its own, on bundles of many small tensors (16
+F32 elements each, ``bundlegen.generate_many``), where the data costs nothing
+and JSON, fields and headers are the whole check:
+
+* ``many``   -- ``nanrunbook check`` on 20,480 tensors (5.6 MB of manifest);
+* ``orjson`` -- ``orjson.loads`` of that manifest alone, in its own process: the
+  floor of reading it at all;
+* ``few``    -- ``nanrunbook check`` on 50 tensors: the everyday bundle.
+
+``--manifest-only`` runs just these; ``--compare-with SRC`` adds ``many@SRC``
+and ``few@SRC``, the same checks with another source tree first on
+PYTHONPATH (a checkout of an older commit), alternating with the others.
+
 It prints the median wall time of each, the ratios, and the peak RSS of each
-subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
+subprocess (``ru_maxrss`` from ``wait4``), and CPU time (user + system), which a
+busy machine disturbs less than wall time. Every timed run reads files that the
 previous rounds (and an untimed warm-up) just read: the runs are warm-cache,
 as the output says.
 """
@@ -39,15 +54,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bundlegen import ensure_bundle, parse_size, show_size, tensor_files  # noqa: E402
+from bundlegen import ensure_bundle, ensure_many, parse_size, show_size, tensor_files  # noqa: E402
 
 TINY = ROOT / "fixtures" / "continue-all-finite"
 # The same check and kv output through the library, without the CLI framework:
 # shows what the command line's own start-up costs.
 LIBRARY = (
-    "import sys; from nanrunbook import check_bundle; from nanrunbook.render import RENDERERS; "
+    "import sys; from nanrunbook import check_bundle; "
+    "from nanrunbook.output.renderers import RENDERERS; "
     "r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
 )
+
+
+MANY_TENSORS = 20_480
+FEW_TENSORS = 50
+ORJSON_ONLY = "import sys, orjson; orjson.loads(open(sys.argv[1], 'rb').read())"
 
 
 @dataclass
@@ -55,12 +76,20 @@ class Command:
     name: str
     argv: list[str]
     expect: int  # exit status
+    env: dict[str, str] | None = None
     walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)
     rss_kib: list[int] = field(default_factory=list)
 
     def run(self) -> None:
         started = time.perf_counter()
-        process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd=HERE,  # not the checkout: "python -m" would import the package found there
+        )
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
         code = os.waitstatus_to_exitcode(status)
@@ -70,11 +99,21 @@ class Command:
         if process.stderr:
             process.stderr.close()
         self.walls.append(wall)
+        self.cpus.append(usage.ru_utime + usage.ru_stime)
         self.rss_kib.append(usage.ru_maxrss)  # KiB on Linux
+
+    def clear(self) -> None:
+        self.walls.clear()
+        self.cpus.clear()
+        self.rss_kib.clear()
 
     @property
     def median(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
 
     @property
     def peak_mb(self) -> float:
@@ -91,17 +130,7 @@ def torch_available() -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="1GiB", help="bundle size, e.g. 1GiB, 4GiB, 256MiB")
-    parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
-    parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
-    args = parser.parse_args()
-
-    size = parse_size(args.size)
-    bundle = ensure_bundle(args.cache, size)
-    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+def data_commands(bundle: Path, no_torch: bool) -> list[Command]:
     check = nanrunbook_argv()
     commands = [
         Command("check", [*check, "check", "--format", "kv", str(bundle)], expect=1),
@@ -109,7 +138,7 @@ def main() -> None:
         Command("tiny", [*check, "check", "--format", "kv", str(TINY)], expect=0),
         Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], expect=1),
     ]
-    if args.no_torch:
+    if no_torch:
         print("torch baseline skipped (--no-torch)")
     elif torch_available():
         commands.append(
@@ -117,47 +146,61 @@ def main() -> None:
         )
     else:
         print("torch baseline skipped: torch is not installed (pip install torch==2.13.0)")
+    return commands
 
-    print(
-        f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {len(tensor_files(bundle))} files)"
-    )
-    print(
-        f"machine    {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
-    )
-    print(f"load       1-min load average {os.getloadavg()[0]:.2f} before the runs")
-    print("cache      warm: an untimed warm-up run of each command read every file first,")
-    print("           and the bundle fits in memory, so each timed run reads the page cache")
-    # An installed package has its bytecode compiled (pip does it); this tree may not,
-    # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "nanrunbook")], check=True)
-    print("bytecode   nanrunbook compiled first, as an installed package is")
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
-    print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
-    for command in commands:  # warm-up, untimed
+
+def manifest_commands(cache: Path, compare_with: Path | None) -> list[Command]:
+    many, few = ensure_many(cache, MANY_TENSORS), ensure_many(cache, FEW_TENSORS)
+    check = [*nanrunbook_argv(), "check", "--format", "kv"]
+    commands = [
+        Command("many", [*check, str(many)], expect=1),
+        Command("orjson", [sys.executable, "-c", ORJSON_ONLY, str(many / "manifest.json")], 0),
+        Command("few", [*check, str(few)], expect=1),
+    ]
+    if compare_with is not None:
+        env = {**os.environ, "PYTHONPATH": str(compare_with.resolve())}
+        commands += [
+            Command("many@SRC", [*check, str(many)], expect=1, env=env),
+            Command("few@SRC", [*check, str(few)], expect=1, env=env),
+        ]
+    print(f"many       {many} ({(many / 'manifest.json').stat().st_size / 1e6:.1f} MB manifest)")
+    print(f"few        {few}")
+    if compare_with is not None:
+        print(f"SRC        {compare_with} first on PYTHONPATH")
+    return commands
+
+
+def run_rounds(commands: list[Command], runs: int) -> None:
+    """An untimed warm-up of each, then ``runs`` rounds, each starting one later."""
+    for command in commands:
         command.run()
-        command.walls.clear()
-        command.rss_kib.clear()
-    for round_ in range(args.runs):
+        command.clear()
+    for round_ in range(runs):
         order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
         for command in order:
             command.run()
         print(
-            f"round {round_ + 1}/{args.runs}: "
+            f"round {round_ + 1}/{runs}: "
             + "  ".join(f"{c.name} {c.walls[-1]:.3f}s" for c in commands),
             flush=True,
         )
 
-    by = {c.name: c for c in commands}
+
+def print_table(commands: list[Command], runs: int) -> None:
     print()
     print(
-        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}  (runs: {args.runs})"
+        f"{'command':9} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
+        f" {'peak RSS MB':>12}  (runs: {runs})"
     )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+            f"{c.name:9} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f" {c.peak_mb:12.1f}"
         )
     print()
+
+
+def print_data_ratios(by: dict[str, Command], data_bytes: int, size: int) -> None:
     ratio = by["check"].median / by["sha256"].median
     gbps = data_bytes / by["check"].median / 1e9
     print(
@@ -172,6 +215,76 @@ def main() -> None:
         f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
     )
     print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
+
+
+def print_manifest_ratios(by: dict[str, Command]) -> None:
+    many, orjson, few = by["many"], by["orjson"], by["few"]
+    print(
+        f"many / orjson.loads   {many.median / orjson.median:.2f} x   wall {many.median:.3f} s"
+        f" (target <= 0.5 s), cpu {many.cpu:.3f} s, for {MANY_TENSORS:,} tensors"
+    )
+    print(f"few tensors check     {few.median:.3f} s, cpu {few.cpu:.3f} s ({FEW_TENSORS} tensors)")
+    for name in ("many", "few"):
+        base = by.get(f"{name}@SRC")
+        if base is not None:
+            mine = by[name]
+            print(
+                f"{name} / {name}@SRC       wall {mine.median / base.median:.2f} x"
+                f" ({mine.median:.3f} s vs {base.median:.3f} s),"
+                f" cpu {mine.cpu / base.cpu:.2f} x ({mine.cpu:.3f} s vs {base.cpu:.3f} s)"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1GiB", help="bundle size, e.g. 1GiB, 4GiB, 256MiB")
+    parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    parser.add_argument(
+        "--manifest-only", action="store_true", help="only the many-tensor rows (no 1 GiB bundle)"
+    )
+    parser.add_argument(
+        "--compare-with", type=Path, help="also time the many-tensor rows with this source tree"
+    )
+    args = parser.parse_args()
+
+    commands: list[Command] = []
+    size = parse_size(args.size)
+    data_bytes = 0
+    if not args.manifest_only:
+        bundle = ensure_bundle(args.cache, size)
+        data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+        commands += data_commands(bundle, args.no_torch)
+        print(
+            f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in"
+            f" {len(tensor_files(bundle))} files)"
+        )
+    commands += manifest_commands(args.cache, args.compare_with)
+    print(
+        f"machine    {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
+    )
+    print(f"load       1-min load average {os.getloadavg()[0]:.2f} before the runs")
+    print("cache      warm: an untimed warm-up run of each command read every file first,")
+    print("           and the bundles fit in memory, so each timed run reads the page cache")
+    # An installed package has its bytecode compiled (pip does it); this tree may not,
+    # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
+    trees = [ROOT / "nanrunbook"]
+    if args.compare_with is not None:
+        trees.append(args.compare_with / "nanrunbook")
+    for tree in trees:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree)], check=True)
+    print("bytecode   nanrunbook compiled first, as an installed package is")
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
+    run_rounds(commands, args.runs)
+
+    by = {c.name: c for c in commands}
+    print_table(commands, args.runs)
+    if not args.manifest_only:
+        print_data_ratios(by, data_bytes, size)
+    print_manifest_ratios(by)
     print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
     print("                      others were running too and the ratios are pessimistic)")
 
