@@ -21,7 +21,7 @@ The manifest side has rows of its own, on bundles of many small tensors (16
 F32 elements each, ``bundlegen.generate_many``), where the data costs nothing
 and JSON, fields and headers are the whole check:
 
-* ``many``   -- ``nanrunbook check`` on 20,480 tensors (5.6 MB of manifest);
+* ``many``   -- ``nanrunbook check`` on 20,480 tensors (a 6.6 MB manifest);
 * ``orjson`` -- ``orjson.loads`` of that manifest alone, in its own process: the
   floor of reading it at all;
 * ``few``    -- ``nanrunbook check`` on 50 tensors: the everyday bundle.

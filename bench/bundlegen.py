@@ -279,64 +279,71 @@ def generate_many(target: Path, tensors: int, seed: int = 0) -> None:
     import numpy as np
 
     from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
-    from nanrunbook.tensors.counting import tally_bytes
 
     temp = target.with_name(target.name + ".partial")
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     per_stage = [tensors // 5 + (1 if i < tensors % 5 else 0) for i in range(5)]
-    stages = []
-    for stage, count in zip(OWNERS, per_stage, strict=True):
-        file = f"{stage}.safetensors"
-        values = rng.standard_normal((count, MANY_ELEMENTS), dtype=np.float32)
-        if stage == "backward":
-            values[0, 3] = np.nan
-        names = [f"{stage}/layers.{i}.out" for i in range(count)]
-        nbytes = MANY_ELEMENTS * 4
-        header = {
-            name: {
-                "dtype": "F32",
-                "shape": [MANY_ELEMENTS],
-                "data_offsets": [i * nbytes, (i + 1) * nbytes],
-            }
-            for i, name in enumerate(names)
-        }
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        data = values.astype("<f4").tobytes()
-        (temp / file).write_bytes(struct.pack("<Q", len(text)) + text + data)
-        tally = tally_bytes("F32", data)
-        record: dict[str, Any] = {
-            "stage": stage,
-            "status": "OBSERVED",
-            "owner": OWNERS[stage],
-            "telemetry_id": f"tel-9042-{stage}",
-            "tensor_set": {"id": f"ts-9042-{stage}", "probe_source": f"bench capture of {stage}"},
-            "resolution": "complete",
-        }
-        if stage == "backward":
-            record["gradients"] = "unscaled"
-        record["tensors"] = [
-            {
-                "name": name,
-                "file": file,
-                "dtype": "F32",
-                "shape": [MANY_ELEMENTS],
-                "sha256": hashlib.sha256(data[i * nbytes : (i + 1) * nbytes]).hexdigest(),
-                "probe": f"{name} output",
-            }
-            for i, name in enumerate(names)
-        ]
-        record["counts"] = {
-            key: getattr(tally, key) for key in ("elements", "finite", "nan", "posinf", "neginf")
-        }
-        record["finite_max_abs"] = tally.max_abs
-        stages.append(record)
+    stages = [
+        _many_tensor_stage(temp, stage, count, rng)
+        for stage, count in zip(OWNERS, per_stage, strict=True)
+    ]
     manifest = _manifest(stages)
     manifest[EVIDENCE_ID_KEY] = evidence_content_id(manifest)
     (temp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(temp, target)
+
+
+def _many_tensor_stage(
+    temp: Path, stage: str, count: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """One stage of ``generate_many``: its file written, its manifest record."""
+    import numpy as np
+
+    from nanrunbook.tensors.counting import tally_bytes
+
+    file = f"{stage}.safetensors"
+    values = rng.standard_normal((count, MANY_ELEMENTS), dtype=np.float32)
+    if stage == "backward":
+        values[0, 3] = np.nan
+    names = [f"{stage}/layers.{i}.out" for i in range(count)]
+    size = MANY_ELEMENTS * 4
+    header = {
+        name: {"dtype": "F32", "shape": [MANY_ELEMENTS], "data_offsets": [i * size, (i + 1) * size]}
+        for i, name in enumerate(names)
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data = values.astype("<f4").tobytes()
+    (temp / file).write_bytes(struct.pack("<Q", len(text)) + text + data)
+    tally = tally_bytes("F32", data)
+    record: dict[str, Any] = {
+        "stage": stage,
+        "status": "OBSERVED",
+        "owner": OWNERS[stage],
+        "telemetry_id": f"tel-9042-{stage}",
+        "tensor_set": {"id": f"ts-9042-{stage}", "probe_source": f"bench capture of {stage}"},
+        "resolution": "complete",
+    }
+    if stage == "backward":
+        record["gradients"] = "unscaled"
+    record["tensors"] = [
+        {
+            "name": name,
+            "file": file,
+            "dtype": "F32",
+            "shape": [MANY_ELEMENTS],
+            "sha256": hashlib.sha256(data[i * size : (i + 1) * size]).hexdigest(),
+            "probe": f"{name} output",
+        }
+        for i, name in enumerate(names)
+    ]
+    record["counts"] = {
+        key: getattr(tally, key) for key in ("elements", "finite", "nan", "posinf", "neginf")
+    }
+    record["finite_max_abs"] = tally.max_abs
+    return record
 
 
 def ensure_many(cache: Path, tensors: int) -> Path:

@@ -111,40 +111,14 @@ def parse_manifest(
     The manifest is returned only when no violation was found.
     """
     sink = Sink()
-    top = Fields(
-        sink,
-        tree,
-        "$",
-        required=TOP_LEVEL_FIELDS,
-    )
-    fmt = top.string("format")
-    if fmt is not None and fmt != BUNDLE_FORMAT:
-        sink.add("FORMAT_UNSUPPORTED", top.at("format"), f"expected {BUNDLE_FORMAT!r}")
-    version = top.string("contract_version")
-    if version is not None and version != CONTRACT_VERSION:
-        sink.add(
-            "CONTRACT_VERSION_UNSUPPORTED",
-            top.at("contract_version"),
-            f"expected {CONTRACT_VERSION!r}",
-        )
-    evidence_id = top.identifier("evidence_id")
-    content_id = top.string("evidence_content_id")
-    if content_id is not None and not EVIDENCE_ID_FORM.fullmatch(content_id):
-        sink.add(
-            "EVIDENCE_CONTENT_ID_INVALID",
-            top.at("evidence_content_id"),
-            f"expected {EVIDENCE_ID_PREFIX}<64 lowercase hex>",
-        )
-        content_id = None
-    incident_owner = top.identifier("incident_owner")
-
+    top = Fields(sink, tree, "$", required=TOP_LEVEL_FIELDS)
+    fmt, version, evidence_id, content_id, incident_owner = _identity(sink, top)
     run_id: str | None = None
     step: int | None = None
     if top.has("run"):
         run = Fields(sink, top.raw("run"), top.at("run"), required=("run_id", "step"))
         run_id = run.identifier("run_id")
         step = run.integer("step", minimum=0)
-
     lkg = _last_known_good(sink, top) if top.has("last_known_good") else None
     if lkg is not None and step is not None and lkg.step >= step:
         sink.add(
@@ -154,15 +128,8 @@ def parse_manifest(
         )
     binding = _binding(sink, top.raw("binding"), top.at("binding")) if top.has("binding") else None
     stages = _stages(sink, top) if top.has("stages") else None
-
     if stages is not None:
-        sink.violations.extend(rules.stage_set_violations(stages, "$.stages", caps or Caps()))
-        if binding is not None:
-            gradients = next((s.gradients for s in stages if s.stage == "backward"), None)
-            scaler = binding.scaler
-            sink.violations.extend(rules.scaled_gradients_violations(scaler, gradients, "$"))
-            # Against the declared counts here, so a contradiction costs no data read.
-            sink.violations.extend(rules.found_inf_violations(scaler, stages, "$"))
+        sink.violations.extend(_across_records(stages, binding, caps or Caps()))
 
     if sink.violations:
         return None, sink.violations
@@ -182,6 +149,43 @@ def parse_manifest(
         stages=stages,
     )
     return manifest, []
+
+
+def _identity(sink: Sink, top: Fields) -> tuple[str | None, ...]:
+    """format, contract_version, evidence_id, evidence_content_id, incident_owner."""
+    fmt = top.string("format")
+    if fmt is not None and fmt != BUNDLE_FORMAT:
+        sink.add("FORMAT_UNSUPPORTED", top.at("format"), f"expected {BUNDLE_FORMAT!r}")
+    version = top.string("contract_version")
+    if version is not None and version != CONTRACT_VERSION:
+        sink.add(
+            "CONTRACT_VERSION_UNSUPPORTED",
+            top.at("contract_version"),
+            f"expected {CONTRACT_VERSION!r}",
+        )
+    evidence_id = top.identifier("evidence_id")
+    content_id = top.string("evidence_content_id")
+    if content_id is not None and not EVIDENCE_ID_FORM.fullmatch(content_id):
+        sink.add(
+            "EVIDENCE_CONTENT_ID_INVALID",
+            top.at("evidence_content_id"),
+            f"expected {EVIDENCE_ID_PREFIX}<64 lowercase hex>",
+        )
+        content_id = None
+    return fmt, version, evidence_id, content_id, top.identifier("incident_owner")
+
+
+def _across_records(
+    stages: tuple[StageRecord, ...], binding: Binding | None, caps: Caps
+) -> list[Violation]:
+    """The rules that relate the stage records to one another and to the scaler."""
+    found = rules.stage_set_violations(stages, "$.stages", caps)
+    if binding is not None:
+        gradients = next((s.gradients for s in stages if s.stage == "backward"), None)
+        found.extend(rules.scaled_gradients_violations(binding.scaler, gradients, "$"))
+        # Against the declared counts here, so a contradiction costs no data read.
+        found.extend(rules.found_inf_violations(binding.scaler, stages, "$"))
+    return found
 
 
 def _last_known_good(sink: Sink, top: Fields) -> LastKnownGood | None:
@@ -215,52 +219,17 @@ def _last_known_good(sink: Sink, top: Fields) -> LastKnownGood | None:
 def _binding(sink: Sink, value: Any, path: str) -> Binding | None:
     before = len(sink)
     top = Fields(sink, value, path, required=BINDING_ITEMS)
-    ids: dict[str, str] = {}
-    details: dict[str, MappingProxyType[str, object]] = {}
     items: dict[str, Fields] = {}
+    ids: dict[str, str] = {}
     for name in BINDING_ITEMS:
-        if not top.has(name):
-            continue
-        item = Fields(
-            sink,
-            top.raw(name),
-            top.at(name),
-            required=("id", *TYPED_FIELDS.get(name, ())),
-            open_ended=True,
-        )
-        if not item.ok:
-            continue
-        items[name] = item
-        item_id = item.identifier("id")
+        item, item_id = _binding_item(sink, top, name)
+        if item is not None:
+            items[name] = item
         if item_id is not None:
             ids[name] = item_id
-        typed = set(TYPED_FIELDS.get(name, ())) | {"id"}
-        if name == "scaler":
-            typed |= set(DYNAMIC_FIELDS)
-        for key, detail in item.data.items():
-            if key in typed:
-                continue
-            # Extra detail: strings, integers or finite numbers (strictjson already
-            # rejected non-finite literals).
-            if not (isinstance(detail, str) or is_number(detail)):
-                sink.add(
-                    "FIELD_TYPE",
-                    item.at(key),
-                    f"a binding detail must be a string or a number, got {json_type(detail)}",
-                )
-        details[name] = MappingProxyType(dict(item.data))
-
     world_size = rank = None
     if "topology" in items:
-        topo = items["topology"]
-        world_size = topo.integer("world_size", minimum=1)
-        rank = topo.integer("rank", minimum=0)
-        if world_size is not None and rank is not None and rank >= world_size:
-            sink.add(
-                "TOPOLOGY_INVALID",
-                topo.at("rank"),
-                f"rank {rank} is not below world_size {world_size}",
-            )
+        world_size, rank = _topology(sink, items["topology"])
     param_dtype = compute_dtype = None
     if "precision" in items:
         precision = items["precision"]
@@ -275,7 +244,9 @@ def _binding(sink: Sink, value: Any, path: str) -> Binding | None:
     assert param_dtype is not None and compute_dtype is not None and scaler is not None
     return Binding(
         ids=MappingProxyType(ids),
-        details=MappingProxyType(details),
+        details=MappingProxyType(
+            {name: MappingProxyType(dict(item.data)) for name, item in items.items()}
+        ),
         world_size=world_size,
         rank=rank,
         param_dtype=param_dtype,
@@ -283,6 +254,43 @@ def _binding(sink: Sink, value: Any, path: str) -> Binding | None:
         reduction=reduction,
         scaler=scaler,
     )
+
+
+def _binding_item(sink: Sink, top: Fields, name: str) -> tuple[Fields | None, str | None]:
+    """One binding item and its id: required fields, extra detail of a plain type."""
+    if not top.has(name):
+        return None, None
+    item = Fields(
+        sink,
+        top.raw(name),
+        top.at(name),
+        required=("id", *TYPED_FIELDS.get(name, ())),
+        open_ended=True,
+    )
+    if not item.ok:
+        return None, None
+    item_id = item.identifier("id")
+    typed = {"id", *TYPED_FIELDS.get(name, ()), *(DYNAMIC_FIELDS if name == "scaler" else ())}
+    for key, detail in item.data.items():
+        # Extra detail: strings, integers or finite numbers (strictjson already
+        # rejected non-finite literals).
+        if key not in typed and not (isinstance(detail, str) or is_number(detail)):
+            sink.add(
+                "FIELD_TYPE",
+                item.at(key),
+                f"a binding detail must be a string or a number, got {json_type(detail)}",
+            )
+    return item, item_id
+
+
+def _topology(sink: Sink, topo: Fields) -> tuple[int | None, int | None]:
+    world_size = topo.integer("world_size", minimum=1)
+    rank = topo.integer("rank", minimum=0)
+    if world_size is not None and rank is not None and rank >= world_size:
+        sink.add(
+            "TOPOLOGY_INVALID", topo.at("rank"), f"rank {rank} is not below world_size {world_size}"
+        )
+    return world_size, rank
 
 
 def _dtype(sink: Sink, fields: Fields, key: str) -> str | None:
@@ -371,34 +379,8 @@ def _stage(sink: Sink, value: Any, path: str) -> StageRecord | None:
         tensor_set_id = tset.identifier("id")
         probe_source = tset.text("probe_source")
 
-    if stage == "backward" and not rec.has("gradients"):
-        sink.add("FIELD_MISSING", rec.at("gradients"), "the backward record states its gradients")
-    if stage is not None and stage != "backward" and rec.has("gradients"):
-        sink.add(
-            "STAGE_FIELD_NOT_ALLOWED", rec.at("gradients"), "only the backward record has gradients"
-        )
-    gradients = rec.choice("gradients", GRADIENT_FORMS)
-
-    resolution = counts = finite_max_abs = reason = None
-    tensors: tuple[TensorEntry, ...] | None = ()
-    if status == "NOT_RUN":
-        for key in ("resolution", "tensors", "counts", "finite_max_abs"):
-            if rec.has(key):
-                sink.add("STAGE_FIELD_NOT_ALLOWED", rec.at(key), f"a NOT_RUN stage has no {key!r}")
-        if not rec.has("reason"):
-            sink.add("FIELD_MISSING", rec.at("reason"), "a NOT_RUN stage states its reason")
-        reason = rec.text("reason")
-    elif status == "OBSERVED":
-        for key in ("resolution", "tensors", "counts"):
-            if not rec.has(key):
-                sink.add("FIELD_MISSING", rec.at(key), f"an OBSERVED stage requires {key!r}")
-        resolution = rec.choice("resolution", RESOLUTIONS)
-        tensors = _tensors(sink, rec, resolution)
-        counts = _counts(sink, rec)
-        if rec.has("finite_max_abs") and rec.raw("finite_max_abs") is not None:
-            finite_max_abs = rec.number("finite_max_abs")
-        reason = rec.text("reason")
-
+    gradients = _gradients(sink, rec, stage)
+    resolution, tensors, counts, finite_max_abs, reason = _observation(sink, rec, status)
     if len(sink) > before:
         return None
     assert stage and status and owner and telemetry_id and tensor_set_id is not None
@@ -421,6 +403,44 @@ def _stage(sink: Sink, value: Any, path: str) -> StageRecord | None:
     problems = rules.stage_violations(record, path)
     sink.violations.extend(problems)
     return None if problems else record
+
+
+def _gradients(sink: Sink, rec: Fields, stage: str | None) -> str | None:
+    if stage == "backward" and not rec.has("gradients"):
+        sink.add("FIELD_MISSING", rec.at("gradients"), "the backward record states its gradients")
+    if stage is not None and stage != "backward" and rec.has("gradients"):
+        sink.add(
+            "STAGE_FIELD_NOT_ALLOWED", rec.at("gradients"), "only the backward record has gradients"
+        )
+    return rec.choice("gradients", GRADIENT_FORMS)
+
+
+_Observation = tuple[
+    str | None, tuple[TensorEntry, ...] | None, Counts | None, float | None, str | None
+]
+
+
+def _observation(sink: Sink, rec: Fields, status: str | None) -> _Observation:
+    """resolution, tensors, counts, finite_max_abs and reason, as the status allows."""
+    if status == "NOT_RUN":
+        for key in ("resolution", "tensors", "counts", "finite_max_abs"):
+            if rec.has(key):
+                sink.add("STAGE_FIELD_NOT_ALLOWED", rec.at(key), f"a NOT_RUN stage has no {key!r}")
+        if not rec.has("reason"):
+            sink.add("FIELD_MISSING", rec.at("reason"), "a NOT_RUN stage states its reason")
+        return None, (), None, None, rec.text("reason")
+    if status != "OBSERVED":
+        return None, (), None, None, None
+    for key in ("resolution", "tensors", "counts"):
+        if not rec.has(key):
+            sink.add("FIELD_MISSING", rec.at(key), f"an OBSERVED stage requires {key!r}")
+    resolution = rec.choice("resolution", RESOLUTIONS)
+    tensors = _tensors(sink, rec, resolution)
+    counts = _counts(sink, rec)
+    finite_max_abs = None
+    if rec.has("finite_max_abs") and rec.raw("finite_max_abs") is not None:
+        finite_max_abs = rec.number("finite_max_abs")
+    return resolution, tensors, counts, finite_max_abs, rec.text("reason")
 
 
 def _counts(sink: Sink, rec: Fields) -> Counts | None:
