@@ -320,10 +320,10 @@ def _oracle(text: str) -> list[tuple[str, str]]:
             found.append(("JSON_LONE_SURROGATE", path))
 
     def walk(value: Any, path: str, depth: int) -> None:
-        if isinstance(value, tuple) and value[0] == "OBJ" or isinstance(value, list):
-            if depth + 1 > 32:
-                found.append(("MANIFEST_TOO_DEEP", path))
-                return
+        container = isinstance(value, list) or (isinstance(value, tuple) and value[0] == "OBJ")
+        if container and depth + 1 > 32:
+            found.append(("MANIFEST_TOO_DEEP", path))
+            return
         if isinstance(value, tuple) and value[0] == "OBJ":
             _, obj, repeated = value
             found.extend(("JSON_DUPLICATE_KEY", key_path(path, k)) for k in repeated)
