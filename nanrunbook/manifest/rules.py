@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Protocol
 
 from nanrunbook.contract import SCALE_MAX, SCALE_MAX_EXPONENT, SCALE_MIN, SCALE_MIN_EXPONENT, Caps
@@ -175,11 +177,26 @@ def stage_violations(record: StageRecord, path: str) -> list[Violation]:
     return found
 
 
-def elements_by_dtype(tensors: Iterable[TensorEntry]) -> dict[str, int]:
+_DTYPE = attrgetter("dtype")
+
+
+def _names(stage: StageRecord) -> Iterable[str]:
+    return map(_NAME, stage.tensors)
+
+
+_NAME = attrgetter("name")
+_ELEMENTS = attrgetter("elements")
+
+
+def elements_by_dtype(tensors: Sequence[TensorEntry]) -> dict[str, int]:
     """How many elements the entries hold, per dtype: one pass serves every sum."""
+    dtypes = list(map(_DTYPE, tensors))
+    counts = list(map(_ELEMENTS, tensors))
+    if len(set(dtypes)) == 1:  # the common stage: one dtype
+        return {dtypes[0]: sum(counts)}
     totals: dict[str, int] = {}
-    for tensor in tensors:
-        totals[tensor.dtype] = totals.get(tensor.dtype, 0) + tensor.elements
+    for dtype, count in zip(dtypes, counts, strict=True):
+        totals[dtype] = totals.get(dtype, 0) + count
     return totals
 
 
@@ -270,6 +287,8 @@ def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
     telemetry: set[str] = set()
     tensor_sets: set[str] = set()
     names: set[str] = set()
+    every_name = list(chain.from_iterable(map(_names, stages)))
+    repeats = len(set(every_name)) < len(every_name)  # else no entry to look for
     for index, stage in enumerate(stages):
         where = f"{path}[{index}]"
         if stage.telemetry_id in telemetry:
@@ -286,7 +305,7 @@ def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
                 "already used by an earlier stage",
             )
         tensor_sets.add(stage.tensor_set_id)
-        for position, tensor in enumerate(stage.tensors):
+        for position, tensor in enumerate(stage.tensors if repeats else ()):
             if tensor.name in names:
                 yield Violation(
                     "TENSOR_NAME_DUPLICATE",
@@ -310,7 +329,7 @@ def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> lis
                 )
             )
         elements = max(
-            sum(t.elements for t in stage.tensors),
+            sum(map(_ELEMENTS, stage.tensors)),
             stage.counts.elements if stage.counts is not None else 0,
         )
         if elements > caps.max_stage_elements:
