@@ -32,13 +32,14 @@ from nanrunbook.strictjson import Dialect, pairs_of, parse_json
 __all__ = [
     "CODES",
     "MAX_HEADER_LEN",
+    "U64_MAX",
     "HeaderEntry",
     "TensorFileHeader",
     "read_header",
 ]
 
 MAX_HEADER_LEN = TENSOR_HEADER_MAX_BYTES
-_U64_MAX = 2**64 - 1
+U64_MAX = 2**64 - 1  # the format's integers, and so the most elements a file can hold
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 _METADATA = "__metadata__"
 
@@ -100,13 +101,13 @@ HEADER_JSON = Dialect(
         strictjson.LONE_SURROGATE: "HEADER_INVALID_JSON",
         strictjson.TOO_DEEP: "HEADER_INVALID_JSON",
     },
-    max_integer=_U64_MAX,
+    max_integer=U64_MAX,
 )
 
 
 def _is_u64(value: object) -> bool:
     # bool is an int subclass; floats such as 2.0 (or -0) are not integers either.
-    return type(value) is int and 0 <= value <= _U64_MAX
+    return type(value) is int and 0 <= value <= U64_MAX
 
 
 def _read_exactly(fd: int, count: int, offset: int) -> bytes:
@@ -299,11 +300,11 @@ def _plain_entries(
     if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
     begins, ends = zip(*offsets, strict=True)
-    if {*map(type, begins), *map(type, ends)} != {int} or min(begins) < 0 or max(ends) > _U64_MAX:
+    if {*map(type, begins), *map(type, ends)} != {int} or min(begins) < 0 or max(ends) > U64_MAX:
         return None
     if not all(map(operator.le, begins, ends)):
         return None
-    elements = element_counts(shapes, _U64_MAX, dim_limit=_U64_MAX)
+    elements = element_counts(shapes, U64_MAX, dim_limit=U64_MAX)
     if elements is None:
         return None
     bits = list(map(operator.mul, elements, [DTYPES[dtype].bits for dtype in dtypes]))
@@ -383,7 +384,7 @@ def _entry_fields(value: dict[str, Any], tensor: str, add: _Add) -> dict[str, An
 
 def _length_matches(tensor: str, dtype: str, shape: list[int], length: int, add: _Add) -> bool:
     """Whether the byte range length is what the dtype and shape need."""
-    elements = element_count(shape, _U64_MAX)
+    elements = element_count(shape, U64_MAX)
     expected = None if elements is None else DTYPES[dtype].nbytes(elements)
     if elements is None:
         add(
