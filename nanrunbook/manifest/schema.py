@@ -89,7 +89,7 @@ SCHEMA_CODES: frozenset[str] = frozenset(
 unless the code is also in :data:`PARTIAL_CODES`."""
 
 PARTIAL_CODES: dict[str, str] = {
-    "FIELD_TYPE": "JSON Schema's integer type also matches 3.0; check rejects it",
+    "FIELD_TYPE": "JSON Schema's integer type also matches 3.0 and -0; check rejects both",
     "TEXT_INVALID": "the schema rejects control characters only; check also rejects every "
     "other non-printable character (bidi overrides, format characters, non-ASCII spaces)",
     "TENSOR_NAME_INVALID": "as TEXT_INVALID: control characters only",
