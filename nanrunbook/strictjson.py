@@ -358,7 +358,9 @@ def load_manifest(raw: bytes) -> Parsed:
     except json.JSONDecodeError as err:
         message = f"{err.msg} at line {err.lineno} column {err.colno}"
         if _ends_inside_a_value(raw):
-            message += "; the file ends inside a value: it may be truncated or still being written"
+            message += (
+                "; the file ends before its JSON does: it may be truncated or still being written"
+            )
         raise _manifest_rejected("MANIFEST_INVALID_JSON", message) from None
     except RecursionError:
         raise _manifest_rejected(
