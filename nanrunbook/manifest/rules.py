@@ -200,15 +200,11 @@ def elements_by_dtype(tensors: Sequence[TensorEntry]) -> dict[str, int]:
     return totals
 
 
-# Dtypes with an infinity encoding; the other floating ones have at most NaN (spec 6).
-_INFINITY_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "C64", "F8_E5M2"})
-
-
 def _impossible_counts(counts: Counts, by_dtype: Mapping[str, int], path: str) -> list[Violation]:
     """Non-finite counts that no data of the stage's dtypes could give (an integer has
     no NaN, F8_E4M3 no infinity): a summary is only declared, so this is its check."""
     can_nan = sum(n for dtype, n in by_dtype.items() if DTYPES[dtype].has_nonfinite)
-    can_inf = sum(n for dtype, n in by_dtype.items() if dtype in _INFINITY_DTYPES)
+    can_inf = sum(n for dtype, n in by_dtype.items() if DTYPES[dtype].has_infinity)
     if counts.nonfinite > can_nan:
         return [
             Violation(

@@ -63,9 +63,9 @@ CODES: dict[str, str] = {
         "a sub-byte dtype tensor's element count times bit width is not a multiple of 8"
     ),
     "HEADER_OFFSETS_INVALID": (
-        "tensor byte ranges do not tile the data area exactly (gap, overlap, trailing bytes,"
-        " or past the end of the file)"
+        "tensor byte ranges do not tile the data area exactly (gap, overlap or trailing bytes)"
     ),
+    "FILE_TRUNCATED": "a tensor file is shorter than its header's byte ranges need (cut short)",
 }
 
 
@@ -139,21 +139,20 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
 
     Raises EvidenceRejected listing every header violation found in the file.
     """
-    where = file_where(relpath)
-    shown = quote(relpath)
+    where = file_where(relpath)  # names the file: messages do not repeat it
     try:
         size = os.fstat(fd).st_size
         header_len = _header_length(fd, size, max_header_len)
         root = _parse_header(_header_bytes(fd, relpath, header_len))
     except _Refused as refused:
-        raise EvidenceRejected([Violation(refused.code, where, f"{shown}: {refused}")]) from None
+        raise EvidenceRejected([Violation(refused.code, where, str(refused))]) from None
     except OSError as err:
         raise os_error(relpath, err, "reading its header") from None
 
     violations: list[Violation] = []
 
     def add(code: str, message: str) -> None:
-        violations.append(Violation(code, where, f"{shown}: {message}"))
+        violations.append(Violation(code, where, message))
 
     data_start = 8 + header_len
     entries = _check_entries(root, size - data_start, data_start, add)
@@ -240,7 +239,7 @@ def _check_entries(
     if plain is not None:
         if _METADATA in root:
             _check_metadata(root[_METADATA], add)
-        _check_tiling(plain[1], data_size, True, add)
+        _check_tiling(plain[1], data_size, data_start, True, add)
         return plain[0]
     entries: dict[str, HeaderEntry] = {}
     ranges: list[_Range] = []
@@ -264,7 +263,7 @@ def _check_entries(
         ranges.append((begin, end, index, name))
         if entry is not None and name not in entries:
             entries[name] = entry
-    _check_tiling(ranges, data_size, all_ranges_known, add)
+    _check_tiling(ranges, data_size, data_start, all_ranges_known, add)
     return entries
 
 
@@ -420,22 +419,46 @@ def _check_metadata(value: Any, add: _Add) -> None:
             add("HEADER_FIELD_INVALID", f"__metadata__ value of {quote(key)} is not a string")
 
 
-def _check_tiling(ranges: list[_Range], data_size: int, complete: bool, add: _Add) -> None:
+def _check_tiling(
+    ranges: list[_Range], data_size: int, data_start: int, complete: bool, add: _Add
+) -> None:
     """The byte ranges, sorted by (begin, end), must tile [0, data_size) exactly.
 
     Each range must begin where the previous one ended; a zero-length range is fine on
     any boundary of the tiling (so also at 0 and at the end) but one strictly inside
     another range counts as an overlap, as in the reference reader. When some entry's
     range is unknown (invalid data_offsets), gaps and trailing bytes are not reported:
-    the missing range might fill them; overlaps and ranges past the end still are.
+    the missing range might fill them; overlaps still are.
+
+    Ranges past the end of the file are one violation, however many there are: a
+    FILE_TRUNCATED when the ranges would tile a longer file exactly (the file was cut
+    short), else a HEADER_OFFSETS_INVALID (the header is wrong anyway).
     """
-    for begin, end, _, name in ranges:
-        if end > data_size:
+    past = [r for r in ranges if r[1] > data_size]
+    if past:
+        needed = max(end for _, end, _, _ in past)
+        if complete and not _tiling_problems(ranges, needed, complete):
+            add(
+                "FILE_TRUNCATED",
+                f"the file has {data_start + data_size} bytes but its header's byte ranges"
+                f" need {data_start + needed}: cut short (still being written, or copied in"
+                " part)",
+            )
+        else:
+            begin, end, _, name = past[0]
+            more = f" (and {len(past) - 1} more)" if len(past) > 1 else ""
             add(
                 "HEADER_OFFSETS_INVALID",
-                f"tensor {quote(name)}: byte range [{begin}, {end}) runs past the end"
-                f" of the {data_size}-byte data area (data missing from the file)",
+                f"tensor {quote(name)}: byte range [{begin}, {end}) runs past"
+                f" the end of the {data_size}-byte data area{more}",
             )
+    for problem in _tiling_problems(ranges, data_size, complete):
+        add("HEADER_OFFSETS_INVALID", problem)
+
+
+def _tiling_problems(ranges: list[_Range], data_size: int, complete: bool) -> list[str]:
+    """Gaps, overlaps and trailing bytes of the ranges within [0, data_size)."""
+    problems: list[str] = []
     cursor = 0
     holder: _Range | None = None  # the range that reached ``cursor``
     for here in sorted(ranges):  # by (begin, end), then header order
@@ -443,22 +466,20 @@ def _check_tiling(ranges: list[_Range], data_size: int, complete: bool, add: _Ad
         if begin > cursor:
             gap_end = min(begin, data_size)
             if complete and gap_end > cursor:
-                add(
-                    "HEADER_OFFSETS_INVALID",
+                problems.append(
                     f"gap of {gap_end - cursor} unbound bytes at data offset {cursor},"
-                    f" before tensor {quote(name)}",
+                    f" before tensor {quote(name)}"
                 )
         elif begin < cursor and holder is not None:
-            add(
-                "HEADER_OFFSETS_INVALID",
+            problems.append(
                 f"tensor {quote(name)}: byte range [{begin}, {end}) overlaps tensor"
-                f" {quote(holder[3])} [{holder[0]}, {holder[1]})",
+                f" {quote(holder[3])} [{holder[0]}, {holder[1]})"
             )
         if end >= cursor:
             cursor, holder = end, here
     if complete and cursor < data_size:
-        add(
-            "HEADER_OFFSETS_INVALID",
+        problems.append(
             f"{data_size - cursor} trailing bytes at data offset {cursor} are not bound by"
-            " any tensor",
+            " any tensor"
         )
+    return problems
