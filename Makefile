@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch that the capture API's tests and examples run on.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint fuzz bench bench-diff install clean fixtures
+.PHONY: demo test lint fuzz bench bench-diff bench-set install clean fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: $(VENV)/.test-installed
 # against checking both, same run. BENCH_ARGS="--runs 9" for more.
 bench-diff: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_diff.py $(BENCH_ARGS)
+
+# `make bench-set`: an incident set of 8 x 128 MiB against one 1 GiB bundle, same run.
+bench-set: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_set.py $(BENCH_ARGS)
 
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.

@@ -19,6 +19,7 @@ from bundlekit import copy_fixture, load, read_tensor_file, save, write_tensor_f
 from nanrunbook import Caps, EvidenceRejected, check_bundle
 from nanrunbook.codes import CODES
 from nanrunbook.errors import quote
+from nanrunbook.verdict import incident_set, merge
 
 Case = Callable[[Path, pytest.MonkeyPatch], "tuple[Path, Caps | None]"]
 CASES: dict[str, Case] = {}
@@ -635,8 +636,9 @@ def _(tmp, mp):
 
 
 # Covered where they can arise, outside check_bundle: RECORD_INCONSISTENT by
-# test_check.py (decide() on altered records), seal codes by test_seal.py.
-ELSEWHERE = {"RECORD_INCONSISTENT"}
+# test_check.py (decide() on altered records), seal codes by test_seal.py, the
+# incident-set and merge codes by test_incident_set.py.
+ELSEWHERE = {"RECORD_INCONSISTENT"} | set(incident_set.CODES) | set(merge.CODES)
 
 
 @pytest.mark.parametrize("code", sorted(CASES))

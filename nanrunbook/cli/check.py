@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from nanrunbook.cli.app import (
     DEFAULT_CAPS,
-    BundleArgument,
     CheckFormat,
     MaxBundleElements,
     MaxStageElements,
@@ -18,10 +18,21 @@ from nanrunbook.cli.app import (
     caps_from,
     command,
     guarded,
+    non_empty_path,
 )
 from nanrunbook.verdict.precision import WarningThresholds
 
 __all__ = ["check"]
+
+BundlesArgument = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="BUNDLE",
+        parser=non_empty_path,
+        help="Evidence bundle directories, or incident sets (directories of rank bundles).",
+        show_default=False,
+    ),
+]
 
 DEFAULT_THRESHOLDS = WarningThresholds()
 
@@ -103,7 +114,7 @@ def thresholds_from(
 @command("Judge an evidence bundle: HOLD (exit 1), CONTINUE (exit 0) or rejected (exit 3).")
 @guarded
 def check(
-    bundle: BundleArgument,
+    bundles: BundlesArgument,
     format: Annotated[
         CheckFormat, typer.Option("--format", "-f", help="Output format.")
     ] = CheckFormat.text,
@@ -118,9 +129,14 @@ def check(
 ) -> None:
     """Judge an evidence bundle: HOLD (exit 1), CONTINUE (exit 0) or rejected (exit 3).
 
-    A path that is not a bundle is rejected evidence (exit 3): no decision is made
-    on missing evidence. Warnings never change the verdict; --fail-on-warnings
-    turns a CONTINUE with warnings into exit 5 for CI.
+    A directory without manifest.json whose subdirectories are bundles is an
+    incident set, one bundle per rank of one step: it is judged as a set (HOLD on
+    one accepted HOLD member, CONTINUE only with every rank present and accepted),
+    naming the ranks the symptom showed on first. Several paths are judged each
+    on its own, one line each, and the exit code is the most severe (3, then 1,
+    then 5, then 0). A path that is not a bundle is rejected evidence (exit 3): no
+    decision is made on missing evidence. Warnings never change the verdict;
+    --fail-on-warnings turns a CONTINUE with warnings into exit 5 for CI.
 
     Example: nanrunbook check fixtures/hold-backward-dynamic-skip --format kv
 
@@ -128,7 +144,7 @@ def check(
 
     Example: nanrunbook check --fail-on-warnings fixtures/continue-all-finite
     """
-    from nanrunbook.cli.judge import judge
+    from nanrunbook.cli.judge import judge, judge_many
 
     if brief and format is not CheckFormat.text:
         raise typer.BadParameter(
@@ -137,14 +153,26 @@ def check(
         )
     thresholds = thresholds_from(near_max_bits, underflow_share, underflow_dtypes)
     caps = caps_from(max_stage_elements, max_bundle_elements, max_stage_tensors)
-    code = judge(
-        bundle,
-        format.value,
-        sys.stdout,
-        caps=caps,
-        progress=format is CheckFormat.text,  # a bar on stderr at a terminal, text only
-        brief=brief,
-        thresholds=thresholds,
-        fail_on_warnings=fail_on_warnings,
-    )
+    progress = format is CheckFormat.text  # a bar on stderr at a terminal, text only
+    if len(bundles) == 1:
+        code = judge(
+            bundles[0],
+            format.value,
+            sys.stdout,
+            caps=caps,
+            progress=progress,
+            brief=brief,
+            thresholds=thresholds,
+            fail_on_warnings=fail_on_warnings,
+        )
+    else:  # one line each already: --brief changes nothing
+        code = judge_many(
+            bundles,
+            format.value,
+            sys.stdout,
+            caps=caps,
+            progress=progress,
+            thresholds=thresholds,
+            fail_on_warnings=fail_on_warnings,
+        )
     raise typer.Exit(code)

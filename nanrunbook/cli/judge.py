@@ -1,4 +1,5 @@
-"""Check a bundle and write its verdict: what the ``check`` and ``seal`` commands share.
+"""Check a bundle and write its verdict: what the ``check``, ``seal`` and ``merge``
+commands share.
 
 The exit code is the verdict (0 CONTINUE, 1 HOLD, 3 rejected) even when the
 reader of the output went away (``| head``, ``grep -q``): a CI gate reads the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from nanrunbook.output.base import Renderer
     from nanrunbook.verdict.precision import WarningThresholds
 
-__all__ = ["emit", "emit_rejection", "judge", "silence"]
+__all__ = ["emit", "emit_rejection", "judge", "judge_many", "silence"]
 
 
 def judge(
@@ -34,21 +35,49 @@ def judge(
     thresholds: WarningThresholds | None = None,
     fail_on_warnings: bool = False,
 ) -> int:
-    """Check ``bundle``, write the report or rejection in ``fmt`` to ``out``, and
-    return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
-    it is erased before anything is written to ``out``. ``brief`` (text only)
-    writes at most six lines. ``fail_on_warnings`` turns a CONTINUE with warnings
-    into exit 5."""
-    from nanrunbook.check import check_bundle
+    """Check ``bundle`` (a bundle, or an incident set of rank bundles), write the
+    verdict in ``fmt`` to ``out``, and return the exit code. ``progress`` shows the
+    read's bar on stderr at a terminal; it is erased before anything is written to
+    ``out``. ``brief`` (text only) writes at most six lines. ``fail_on_warnings``
+    turns a CONTINUE with warnings into exit 5."""
+    from nanrunbook.check_set import check_path
     from nanrunbook.output.progress import check_progress
+    from nanrunbook.verdict.incident_set import IncidentSet
 
-    try:
+    with check_progress(progress) as bar:
+        outcome = check_path(bundle, caps=caps, progress=bar, thresholds=thresholds)
+    renderer = _renderer(fmt, brief)
+    if isinstance(outcome, IncidentSet):
+        emit(functools.partial(renderer.incident_set, outcome, out), out)
+    else:
+        emit(functools.partial(renderer.judgement, outcome, out), out)
+    return outcome.exit_code_for(fail_on_warnings=fail_on_warnings)
+
+
+def judge_many(
+    paths: Sequence[Path],
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    progress: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
+) -> int:
+    """Check each path on its own, in order; write every verdict at once in ``fmt``
+    and return the most severe exit code (3, then 1, then 5, then 0)."""
+    from nanrunbook.check_set import check_path
+    from nanrunbook.exits import most_severe
+    from nanrunbook.output.progress import check_progress
+    from nanrunbook.output.renderers import RENDERERS
+
+    outcomes = []
+    for path in paths:
         with check_progress(progress) as bar:
-            report = check_bundle(bundle, caps=caps, progress=bar, thresholds=thresholds)
-    except EvidenceRejected as error:
-        return emit_rejection(error, bundle, fmt, out, caps=caps, brief=brief)
-    emit(functools.partial(_renderer(fmt, brief).report, report, out), out)
-    return report.exit_code_for(fail_on_warnings=fail_on_warnings)
+            outcomes.append(check_path(path, caps=caps, progress=bar, thresholds=thresholds))
+    emit(functools.partial(RENDERERS[fmt].many, outcomes, out), out)
+    codes = (outcome.exit_code_for(fail_on_warnings=fail_on_warnings) for outcome in outcomes)
+    return most_severe(codes)
 
 
 def emit_rejection(

@@ -8,10 +8,12 @@ Every method writes to ``out``; nothing is returned.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
+from nanrunbook.verdict.incident_set import IncidentSet, Outcome
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
@@ -43,6 +45,19 @@ class Renderer(ABC):
     @abstractmethod
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         """The contract document in force (``contract``)."""
+
+    @abstractmethod
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        """An incident set's verdict, one row per rank (``check`` on a set, ``merge``)."""
+
+    @abstractmethod
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        """Several paths judged each on its own (``check A/ B/ C/``), in the order given."""
+
+    @abstractmethod
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        """One bundle's report or rejection; in json a rejection carries what the
+        rejected manifest declares (so ``merge`` can place its rank)."""
 
     @abstractmethod
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:

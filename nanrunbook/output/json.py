@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
+from nanrunbook.verdict.incident_set import IncidentSet, Outcome, set_document
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import (
     Report,
     checklist_document,
@@ -20,7 +22,7 @@ from nanrunbook.verdict.runbook import Section
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
 
-__all__ = ["JsonRenderer", "json_text"]
+__all__ = ["JsonRenderer", "json_text", "outcome_document"]
 
 
 def json_text(document: Any) -> str:
@@ -56,3 +58,24 @@ class JsonRenderer(Renderer):
             out.write(json_text(diff_rejection_document(result)))
         else:
             out.write(json_text(diff_document(result)))
+
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        out.write(json_text(set_document(result)))
+
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        out.write(json_text([outcome_document(outcome) for outcome in outcomes]))
+
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        out.write(json_text(outcome_document(judgement)))
+
+
+def outcome_document(outcome: Outcome) -> dict[str, Any]:
+    """One path's document: a set's, a report, or a rejection (with what it declares)."""
+    if isinstance(outcome, IncidentSet):
+        return set_document(outcome)
+    if outcome.report is not None:
+        return report_document(outcome.report)
+    assert outcome.rejection is not None
+    return rejection_document(
+        outcome.rejection, outcome.bundle, outcome.contract_content_id, outcome.declared
+    )

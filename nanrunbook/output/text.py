@@ -10,14 +10,24 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
-from nanrunbook.errors import EvidenceRejected
+from nanrunbook.errors import EvidenceRejected, quote
+from nanrunbook.exits import most_severe
 from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding, TensorFinding
 from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
+from nanrunbook.verdict.incident_set import (
+    REJECTED,
+    IncidentSet,
+    Outcome,
+    SetMember,
+    SetViolation,
+    rank_list,
+)
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
@@ -194,6 +204,67 @@ class TextRenderer(Renderer):
         _diff_divergence(console, result)
         _diff_stages(console, result)
         _diff_tensor_lists(console, result)
+
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        command = "nanrunbook check" if result.path is not None else "nanrunbook merge"
+        headline = Text.assemble((f"{command}: ", "bold"), *_set_headline(result))
+        if self.brief:
+            _print_unwrapped(console, [headline, *_brief_set_lines(result)])
+            return
+        console.print(headline)
+        if result.decision == REJECTED:
+            _print_set_rejection(console, result)
+        else:
+            facts = _set_facts(result)
+            width = max(len(label) for label, _ in facts)
+            for label, value in facts:
+                console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+            console.print(Text("  The symptom's location is not its cause.", style="italic"))
+        console.print()
+        for line in _rank_lines(result):
+            console.print(line)
+        if result.path is not None and result.members:
+            command = f"nanrunbook check --format json {quote(result.path)}"
+            console.print(Text(f"Every member's whole report: {command}"))
+        if result.decision == HOLD:
+            console.print(
+                Text(
+                    "Containment: hold the update on every rank, preserve each rank's boundary,"
+                    " mark the last known-good state, choose replay authority; replay from the"
+                    " origin ranks (full runbook: nanrunbook checklist --stage"
+                    f" {result.earliest_nonfinite_stage})."
+                )
+            )
+
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        width = max(len(_outcome_decision(o)) for o in outcomes)
+        for outcome in outcomes:
+            decision = _outcome_decision(outcome)
+            console.print(
+                Text.assemble(
+                    (f"{decision:<{width}}", _DECISION_STYLE.get(decision, "")),
+                    f"  {_outcome_line(outcome)}",
+                )
+            )
+        counts = {d: sum(_outcome_decision(o) == d for o in outcomes) for d in _DECISION_STYLE}
+        tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
+        code = most_severe(o.exit_code for o in outcomes)
+        console.print(Text(f"{len(outcomes)} checked: {tally}; exit {code}, the most severe"))
+
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        if judgement.report is not None:
+            self.report(judgement.report, out)
+        else:
+            assert judgement.rejection is not None
+            self.rejection(
+                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
+            )
 
 
 # ---------------------------------------------------------------- building blocks
@@ -695,3 +766,222 @@ def _diff_tensor_lists(console: Any, result: Comparison) -> None:
         more = f" and {len(tensors) - _LISTED} more" if len(tensors) > _LISTED else ""
         console.print(Text(f"Only in {side} ({len(tensors)}): {names}{more}"))
     console.print(Text("  The symptom's location is not its cause.", style="italic"))
+
+
+_DECISION_STYLE = {
+    REJECTED: "bold yellow",
+    HOLD: "bold red",
+    "CONTINUE_BOUNDED_DIAGNOSTICS": "bold green",
+}
+_MISMATCHES = frozenset(
+    {
+        "SET_CONTRACT_MISMATCH",
+        "SET_RUN_MISMATCH",
+        "SET_STEP_MISMATCH",
+        "SET_WORLD_SIZE_MISMATCH",
+        "SET_RANK_DUPLICATE",
+    }
+)
+
+
+def _quoted(name: str) -> str:
+    return name if name.startswith(("'", '"')) else quote(name)
+
+
+def _set_headline(result: IncidentSet) -> tuple[Any, ...]:
+    where = (
+        quote(result.path)
+        if result.path is not None
+        else f"merged from {len(result.merged_from)} report{'s' if len(result.merged_from) != 1 else ''}"
+    )
+    size = (
+        f"world size {result.world_size}" if result.world_size is not None else "world size unknown"
+    )
+    if result.decision == REJECTED:
+        count = len(result.violations)
+        return (
+            ("REJECTED", "bold yellow"),
+            f" - incident set {where}, {len(result.members)} members, {size}: {count}"
+            f" violation{'s' if count != 1 else ''}; no decision is made on this set",
+        )
+    style = _DECISION_STYLE[result.decision]
+    return (
+        (result.decision, style),
+        f" - incident set {where}, run {result.run_id} step {result.step}, {size}",
+    )
+
+
+def _brief_set_lines(result: IncidentSet) -> list[Any]:
+    """Under the headline, five lines: the origin, stage, action and ranks, or up
+    to four violations (codes and where) and the ranks."""
+    from rich.text import Text
+
+    facts = _set_facts(result)
+    ranks = _fact_line(*facts[4])
+    if result.decision != REJECTED:
+        return [*(_fact_line(label, value) for label, value in facts[:4]), ranks]
+    violations = result.violations
+    shown = violations if len(violations) <= 4 else violations[:3]
+    lines = [Text.assemble(("  " + v.code, "yellow"), f" {v.where}") for v in shown]
+    if len(shown) < len(violations):
+        lines.append(Text(f"  ... {len(violations) - len(shown)} more (without --brief)"))
+    return [*lines, ranks]
+
+
+def _set_facts(result: IncidentSet) -> list[tuple[str, str]]:
+    origin = result.origin
+    if result.origin_ranks:
+        ranks = ", ".join(map(str, result.origin_ranks))
+        origin += f": rank{'s' if len(result.origin_ranks) > 1 else ''} {ranks}"
+    missing = rank_list(result.missing, listed=32)
+    return [
+        ("origin", origin),
+        ("earliest non-finite stage", result.earliest_nonfinite_stage or "none"),
+        ("action", result.action or "-"),
+        ("root cause claim", result.root_cause_claim),
+        (
+            "ranks",
+            f"{result.ranks_present} of {result.world_size} present, missing: {missing};"
+            f" {result.rejected_members} rejected member{'s' if result.rejected_members != 1 else ''}",
+        ),
+        ("contract", f"{result.contract_version} {_shorten_digests(result.contract_content_id)}"),
+    ]
+
+
+def _print_set_rejection(console: Any, result: IncidentSet) -> None:
+    """Every violation; when the members do not form one set, what the directory
+    holds instead, and the set's own violations only (the table shows each
+    member's verdict, which does not matter until they form one set)."""
+    from rich.text import Text
+
+    split = any(v.code in _MISMATCHES for v in result.violations)
+    if split:
+        console.print(Text(_what_it_holds(result)))
+    shown = [v for v in result.violations if not split or v.path is None]
+    for violation in shown:
+        console.print(
+            Text.assemble(
+                ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
+            )
+        )
+    hidden = len(result.violations) - len(shown)
+    if hidden:
+        console.print(
+            Text(f"  and {hidden} violations of rejected members (--format json or kv lists them)")
+        )
+
+
+def _what_it_holds(result: IncidentSet) -> str:
+    names = [_quoted(m.name) for m in result.members]
+    listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    runs = {m.declared.run_id for m in result.members if m.declared.run_id is not None}
+    steps = {m.declared.step for m in result.members if m.declared.step is not None}
+    of = f"of {len(runs)} run{'s' if len(runs) != 1 else ''} and"
+    of += f" {len(steps)} step{'s' if len(steps) != 1 else ''}"
+    if result.path is None:
+        return f"The merged reports are not of one incident set: {listed}, {of}"
+    place = quote(result.path)
+    return (
+        f"{place} is not a bundle (it has no manifest.json) and not one incident set: it holds"
+        f" bundles one level down: {listed}, {of}; judge each on its own:"
+        f" nanrunbook check {quote(result.path.rstrip('/') or '/')}/*/"
+    )
+
+
+def _rank_lines(result: IncidentSet) -> list[Any]:
+    """One line per rank, in rank order: members, runs of missing ranks, then members
+    that declare no rank. Columns are padded; the last is free, so names and
+    messages stay whole (one log line each)."""
+    from rich.text import Text
+
+    split = any(v.code in _MISMATCHES for v in result.violations)
+    header = ["rank", "member", *(("run", "step") if split else ()), "decision", "earliest"]
+    header += ["warnings", "first non-finite tensor, or first violation"]
+    rows: list[list[str]] = []
+    origin = set(result.origin_ranks)
+    missing = list(result.missing)
+    for member in sorted(result.members, key=lambda m: (m.rank is None, m.rank or 0, m.name)):
+        while missing and member.rank is not None and missing[0].start < member.rank:
+            rows.append(_missing_row(missing.pop(0), split))
+        rows.append(_member_row(member, split, member.rank in origin))
+    rows += [_missing_row(run, split) for run in missing]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    decision = header.index("decision")
+    lines = [Text("Ranks", style="bold")]
+    for index, row in enumerate([header, *rows]):
+        cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
+        style = "dim" if index == 0 else _ROW_STYLE.get(row[decision], "")
+        lines.append(Text("  " + "  ".join([*cells, row[-1]]).rstrip(), style=style))
+    return lines
+
+
+_ROW_STYLE = {REJECTED: "yellow", HOLD: "red", "missing": "yellow"}
+
+
+def _missing_row(run: range, split: bool) -> list[str]:
+    rank = str(run.start) if len(run) == 1 else f"{run.start}-{run.stop - 1}"
+    return [rank, "-", *(("-", "-") if split else ()), "missing", "-", "-", ""]
+
+
+def _member_row(member: SetMember, split: bool, origin: bool) -> list[str]:
+    declared = member.declared
+    detail = member.first_nonfinite_tensor or "-"
+    if member.decision == HOLD and member.first_nonfinite_tensor is None:
+        detail = "unknown (summary stage)"
+    if member.violations:
+        first = member.violations[0]
+        more = len(member.violations) - 1
+        detail = f"{first.code} {first.where}" + (f" (and {more} more)" if more else "")
+    if origin:
+        detail += "  <- origin"
+    cells = ["?" if member.rank is None else str(member.rank), member.name]
+    if split:
+        cells += [declared.run_id or "?", "?" if declared.step is None else str(declared.step)]
+    stage = member.earliest_nonfinite_stage or "-"
+    return [*cells, member.decision, stage, _warning_summary(member.warnings), detail]
+
+
+def _warning_summary(codes: Sequence[str]) -> str:
+    """Each warning code once, with how many times it fired: ``NEAR_DTYPE_MAX x2``."""
+    counts: dict[str, int] = {}
+    for code in codes:
+        counts[code] = counts.get(code, 0) + 1
+    shown = [code if n == 1 else f"{code} x{n}" for code, n in counts.items()]
+    return ",".join(shown) or "-"
+
+
+def _outcome_decision(outcome: Outcome) -> str:
+    if isinstance(outcome, IncidentSet):
+        return outcome.decision
+    return outcome.report.decision.decision if outcome.report is not None else REJECTED
+
+
+def _outcome_line(outcome: Outcome) -> str:
+    if isinstance(outcome, IncidentSet):
+        where = quote(outcome.path) if outcome.path is not None else "merged reports"
+        line = f"{where} (incident set, {outcome.ranks_present} of {outcome.world_size} ranks)"
+        if outcome.decision == HOLD:
+            ranks = ",".join(map(str, outcome.origin_ranks))
+            line += (
+                f": earliest {outcome.earliest_nonfinite_stage}, origin {outcome.origin} {ranks}"
+            )
+        return line + _first_violation(outcome.violations)
+    where = quote(outcome.bundle)
+    if outcome.rejection is not None:
+        return where + _first_violation(outcome.rejection.violations)
+    assert outcome.report is not None
+    decision = outcome.report.decision
+    if decision.earliest_nonfinite_stage is None:
+        return where
+    tensor = decision.first_nonfinite_tensor or "unknown (summary)"
+    return f"{where}: earliest {decision.earliest_nonfinite_stage}, first tensor {tensor}"
+
+
+def _first_violation(violations: Sequence[SetViolation] | Sequence[Any]) -> str:
+    if not violations:
+        return ""
+    more = len(violations) - 1
+    first = violations[0]
+    return f": {first.code} {first.where}: {first.message}" + (
+        f" (and {more} more)" if more else ""
+    )
