@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["Renderer"]
 
@@ -40,3 +43,12 @@ class Renderer(ABC):
     @abstractmethod
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         """The contract document in force (``contract``)."""
+
+    @abstractmethod
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        """What a telemetry file says about the run (``watch``); ``plots`` asks
+        for the terminal plots where the format has them (text)."""
+
+    @abstractmethod
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        """One thing that happened while following a telemetry file (``watch --follow``)."""

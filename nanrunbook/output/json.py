@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
@@ -16,6 +16,9 @@ from nanrunbook.verdict.report import (
     report_document,
 )
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["JsonRenderer", "json_text"]
 
@@ -41,3 +44,15 @@ class JsonRenderer(Renderer):
 
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         out.write(json_text(document))
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.telemetry.document import watch_document
+
+        out.write(json_text(watch_document(summary)))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.telemetry.document import event_document
+
+        # One compact object per line, flushed: a live stream for jq or a log shipper.
+        out.write(orjson.dumps(event_document(event)).decode() + "\n")
+        out.flush()

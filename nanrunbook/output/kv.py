@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import CONTRACT_VERSION
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["KvRenderer", "kv_where"]
 
@@ -91,3 +94,14 @@ class KvRenderer(Renderer):
             ),
         ]
         _write(lines, out)
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.output.watch_kv import summary_lines
+
+        _write(summary_lines(summary), out)
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.output.watch_kv import event_value
+
+        out.write(f"event={event_value(event)}\n")
+        out.flush()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected
@@ -18,6 +18,9 @@ from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["TextRenderer"]
 
@@ -181,6 +184,60 @@ class TextRenderer(Renderer):
             *(f"  {name}: {value}" for name, value in document["bounds"].items()),
         ]
         out.write("\n".join(lines) + "\n")
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import STATUS_MEANING, summary_facts, summary_sections
+
+        console = self._console(out)
+        style = {"ALARM": "bold red", "WARNINGS": "bold yellow", "OK": "bold green"}
+        status = summary.status
+        console.print(
+            Text.assemble(
+                ("nanrunbook watch: ", "bold"),
+                (status, style.get(status, "bold")),
+                f" - {STATUS_MEANING[status]}",
+            )
+        )
+        facts = summary_facts(summary)
+        width = max(len(label) for label, _ in facts)
+        for label, value in facts:
+            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+        for heading, lines in summary_sections(summary):
+            console.print(Text(heading, style="bold"))
+            for line in lines:
+                console.print(Text("  " + line))
+        if plots and summary.series:
+            self._watch_plots(console, summary)
+
+    def _watch_plots(self, console: Any, summary: WatchSummary) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.panels import watch_marks, watch_panels
+        from nanrunbook.output.plots import terminal_plot
+
+        colour = console.color_system is not None
+        marks = watch_marks(summary)
+        if marks:
+            legend = "; ".join(mark.label for mark in marks)
+            console.print(Text(f"Vertical lines: {legend}", style="dim"))
+        for panel in watch_panels(summary):
+            console.print()
+            lines = terminal_plot(panel, marks, colour=colour)
+            console.print(Text(lines[0], style="bold"))
+            for line in lines[1:]:
+                console.print(Text.from_ansi(line) if colour else Text(line))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import event_line
+
+        style = {"hold": "bold red", "nonfinite": "bold red", "warning": "yellow"}
+        console = self._console(out)
+        console.print(Text(event_line(event), style=style.get(event.kind, "")))
+        out.flush()
 
 
 def _stage_first_tensor(stage: StageFinding) -> str:
