@@ -9,7 +9,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import click
 import typer
 
 from nanrunbook.cli.app import command, guarded, non_empty_path
@@ -17,7 +16,7 @@ from nanrunbook.exits import Exit
 
 if TYPE_CHECKING:
     from nanrunbook.output.base import Renderer
-    from nanrunbook.telemetry.summary import WatchSummary
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["watch"]
 
@@ -136,7 +135,7 @@ def watch(
     """
     if not follow and (stop_after_idle is not None or until_step is not None):
         option = "--stop-after-idle" if stop_after_idle is not None else "--until-step"
-        raise click.UsageError(f"{option} needs --follow")
+        raise typer.BadParameter("it needs --follow", param_hint=option)
     options = _Options(format.value, not no_plots, fail_on_warnings, plot_file)
     if follow:
         code = _follow(telemetry, since, window, stop_after_idle, until_step, options)
@@ -182,7 +181,7 @@ def _follow(
     from nanrunbook.telemetry.summary import Summariser
     from nanrunbook.telemetry.watch import FollowInterrupted, follow
 
-    def on_event(event: object) -> None:
+    def on_event(event: WatchEvent) -> None:
         emit(functools.partial(options.renderer.watch_event, event, sys.stdout), sys.stdout)
 
     summariser = Summariser(str(telemetry), since=since, window=window)
