@@ -81,7 +81,7 @@ def _events_panel(buckets: tuple[SeriesBucket, ...], x_range: tuple[float, float
         _trace("held", row("held", 2), "H"),
         _trace("non-finite", row("nonfinite", 3), "N"),
     )
-    title = "steps skipped (s, row 1), held (H, row 2), non-finite (N, row 3)"
+    title = "skipped (s, row 1), held (H, row 2), non-finite (N, row 3) steps"
     return Panel(title, "row", traces, x_range, (0.0, 4.0))
 
 

@@ -68,6 +68,6 @@ def terminal_plot(panel: Panel, marks: tuple[Mark, ...] = (), *, colour: bool = 
     """The panel's title and plot lines (ANSI colours only when ``colour``); a
     panel with no point is one line saying so."""
     if not any(trace.xs for trace in panel.traces):
-        return [f"{panel.title}: nothing to plot"]
+        return [f"{panel.title}: none"]
     text: str = _figure(panel, marks, colour).show()
     return [panel.title, *text.splitlines()]

@@ -120,9 +120,7 @@ def _marks(frame: _Frame, marks: tuple[Mark, ...]) -> list[str]:
 
 def _panel(top: float, panel: Panel, marks: tuple[Mark, ...]) -> list[str]:
     if not any(trace.xs for trace in panel.traces):
-        return [
-            f'<text x="{LEFT}" y="{top + 20}" class="title">{escape(panel.title)}: nothing to plot</text>'
-        ]
+        return [f'<text x="{LEFT}" y="{top + 20}" class="title">{escape(panel.title)}: none</text>']
     frame = _Frame(top, panel.x_range, _y_range(panel))
     parts = _axes(frame, panel) + _marks(frame, marks)
     for trace, colour in zip(panel.traces, _COLOURS, strict=False):

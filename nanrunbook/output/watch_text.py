@@ -59,18 +59,20 @@ def _scale(scale: ScaleSummary | None) -> str:
     if scale is None:
         return "none recorded"
     backoffs = scale.backoffs.count
-    line = f"{scale.first:g} -> {scale.last:g} (least {scale.min:g}, most {scale.max:g})"
+    line = (
+        f"{scale.first:.10g} -> {scale.last:.10g} (least {scale.min:.10g}, most {scale.max:.10g})"
+    )
     line += f"; {backoffs} backoff{'s' if backoffs != 1 else ''}"
     if backoffs:
         line += f" at {_steps(scale.backoffs).split(': ', 1)[1]}"
     return line + _streak(scale.longest_backoff_streak, "backoff")
 
 
-def _headroom(trend: HeadroomTrend | None, window: int) -> str:
+def _headroom(trend: HeadroomTrend | None) -> str:
     if trend is None:
         return "unknown (no gradient max abs with a known dtype)"
     line = (
-        f"{trend.dtype}, last {trend.points} records (window {window}; steps {trend.first_step}"
+        f"{trend.dtype}, last {trend.points} records (steps {trend.first_step}"
         f" to {trend.last_step}, rank {trend.rank}): {trend.first_bits:.1f} -> {trend.last_bits:.1f}"
         f" bits (least {trend.min_bits:.1f}), {trend.direction}"
     )
@@ -108,9 +110,9 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
     if summary.first_nonfinite is not None:
         found = summary.first_nonfinite
         what, kind = found.part.split(":")
-        nonfinite = (
-            f"step {found.step}: {what} {kind} (rank {found.rank}); {_steps(summary.nonfinite)}"
-        )
+        count = summary.nonfinite.count
+        nonfinite = f"step {found.step}: {what} {kind} (rank {found.rank}); {count} such step"
+        nonfinite += "s" if count != 1 else ""
     facts = [
         ("file", f"{summary.path}: {summary.lines} lines, {summary.records} records{bad}"),
         (
@@ -124,7 +126,7 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         ("skipped updates", _steps(summary.skips) + _streak(summary.longest_skip_streak, "skip")),
         ("scaler overflows", _overflows(summary)),
         ("loss scale", _scale(summary.scale)),
-        ("gradient headroom", _headroom(summary.headroom, summary.window)),
+        ("gradient headroom", _headroom(summary.headroom)),
     ]
     if summary.last is not None:
         last = summary.last

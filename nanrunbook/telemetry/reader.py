@@ -132,13 +132,13 @@ def open_telemetry(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise TelemetryUnreadable(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise TelemetryUnreadable(f"{path}: is a directory, not a telemetry file") from None
     except OSError as error:
         raise TelemetryUnreadable(f"{path}: {error.strerror or error}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise TelemetryUnreadable(f"{path}: not a regular file")
+        what = "is a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise TelemetryUnreadable(f"{path}: {what}, not a telemetry file")
     os.set_blocking(fd, True)
     return fd
 

@@ -187,9 +187,9 @@ class WatchSummary:
         OK, or EMPTY (no record)."""
         if self.holds.count or self.nonfinite.count:
             return "ALARM"
-        if self.warnings or self.bad_lines:
-            return "WARNINGS"
-        return "OK" if self.records or self.before_since else "EMPTY"
+        if not (self.records or self.before_since):
+            return "EMPTY"  # nothing parseable, whatever else the file holds
+        return "WARNINGS" if self.warnings or self.bad_lines else "OK"
 
     def exit_code(self, *, fail_on_warnings: bool = False) -> Exit:
         status = self.status
