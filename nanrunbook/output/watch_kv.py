@@ -71,6 +71,8 @@ def summary_lines(summary: WatchSummary) -> list[str]:
         *(f"warning={w.code} {w.first_step} {w.count} {w.source}" for w in summary.warnings),
         *(f"bad_line={b.line} {b.kind}" for b in summary.bad_examples),
         f"incomplete_line={_number(summary.incomplete.line if summary.incomplete else None)}",
+        f"rotations={summary.rotations}",
+        f"truncations={summary.truncations}",
     ]
     return lines
 
