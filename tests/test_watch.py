@@ -415,3 +415,38 @@ def test_series_and_lists_stay_bounded_and_keep_extremes() -> None:
     assert len(summary.warnings) == 64 + 1  # 64 codes, then the rest folded together
     assert "OTHER_CODES" in {w.code for w in summary.warnings}
     assert sum(w.count for w in summary.warnings) == 100_000
+
+
+def _mutants(document: dict[str, object]) -> list[dict[str, object]]:
+    values: list[object] = [None, -1, 0, 2, 1.5, True, "x", {}, [], [{"code": "A", "message": "m"}]]
+    found = []
+    for key in document:
+        found.append({k: v for k, v in document.items() if k != key})
+        found += [{**document, key: value} for value in values]
+    for nested in ("grad", "update"):
+        inner = document[nested]
+        if not isinstance(inner, dict):
+            continue  # a held step's update is null
+        for key in inner:
+            found.append({**document, nested: {k: v for k, v in inner.items() if k != key}})
+            found += [{**document, nested: {**inner, key: value}} for value in values]
+    return found
+
+
+def test_the_common_shape_fast_path_agrees_with_the_checked_parser(runs: dict[str, Path]) -> None:
+    from nanrunbook.telemetry.record import TelemetryLineError, _checked_record, _common_record
+
+    answered = 0
+    for run in telemetry_runs.RUNS:
+        raws = runs[run].read_bytes().splitlines()
+        for raw in raws[:3] + raws[-2:]:
+            for document in [orjson.loads(raw), *_mutants(orjson.loads(raw))]:
+                fast = _common_record(document)
+                if fast is None:
+                    continue
+                answered += 1
+                try:
+                    assert fast == _checked_record(document), document
+                except TelemetryLineError as error:
+                    raise AssertionError(f"fast path accepted {document}: {error}") from None
+    assert answered > 100

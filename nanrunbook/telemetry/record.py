@@ -338,6 +338,78 @@ def parse_record(document: Any) -> TelemetryRecord:
         found = document.get("format")
         shown = repr(found)[:40] if found is not None else "no format field"
         raise TelemetryLineError("FOREIGN_FORMAT", f"not {TELEMETRY_FORMAT} ({shown})")
+    return _common_record(document) or _checked_record(document)
+
+
+def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
+    """The shape nearly every line has (a finite loss, floats written as floats, no
+    warning), accepted in one pass of plain comparisons; None sends the line to
+    :func:`_checked_record`, which accepts a superset and names what is wrong. A
+    test holds the two to agreeing wherever this one answers."""
+    try:
+        g, u = d["grad"], d["update"]
+        run_id, rank, world, step, when = (
+            d["run_id"],
+            d["rank"],
+            d["world_size"],
+            d["step"],
+            d["time"],
+        )
+        loss, scale, found_inf, skipped, held = (
+            d["loss"],
+            d["scale"],
+            d["found_inf"],
+            d["skipped"],
+            d["held"],
+        )
+        bundle, warnings, loss_class = d["bundle"], d["warnings"], d["loss_class"]
+        nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
+        dtype, headroom, norm = g["dtype"], g["headroom_bits"], g["norm"]
+    except (KeyError, TypeError):
+        return None
+    int_, float_, none = int, float, None
+    if (
+        type(rank) is not int_ or type(world) is not int_ or not 0 <= rank < world
+        or type(step) is not int_ or step < 0
+        or type(nan) is not int_ or type(posinf) is not int_ or type(neginf) is not int_
+        or nan < 0 or posinf < 0 or neginf < 0
+        or (max_abs is not none and type(max_abs) is not float_)
+        or (headroom is not none and type(headroom) is not float_)
+        or (norm is not none and type(norm) is not float_)
+        or (scale is not none and type(scale) is not float_)
+        or type(when) is not float_ or type(loss) is not float_ or loss_class != "finite"
+        or (found_inf is not none and type(found_inf) is not bool)
+        or type(skipped) is not bool or type(held) is not bool
+        or warnings != [] or type(run_id) is not str or not 0 < len(run_id) <= 256
+        or type(dtype) is not str or not 0 < len(dtype) <= 32
+        or (bundle is not none and type(bundle) is not str)
+    ):  # fmt: skip
+        return None
+    update = None if u is None else _common_update(u)
+    if update is False:
+        return None
+    grad = GradientStats(nan, posinf, neginf, max_abs, dtype, headroom, norm)
+    return TelemetryRecord(
+        run_id, rank, world, step, when, loss, "finite", grad, update,  # type: ignore[arg-type]
+        scale, found_inf, skipped, held, (), bundle,
+    )  # fmt: skip
+
+
+def _common_update(u: Any) -> UpdateStats | bool:
+    try:
+        nan, posinf, neginf, max_abs = u["nan"], u["posinf"], u["neginf"], u["max_abs"]
+    except (KeyError, TypeError):
+        return False
+    if (
+        type(nan) is not int or type(posinf) is not int or type(neginf) is not int
+        or nan < 0 or posinf < 0 or neginf < 0
+        or (max_abs is not None and type(max_abs) is not float)
+    ):  # fmt: skip
+        return False
+    return UpdateStats(nan, posinf, neginf, max_abs)
+
+
+def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
     run_id = document.get("run_id")
     if type(run_id) is not str or not 0 < len(run_id) <= 256:
         raise _invalid("run_id", "expected a non-empty string")

@@ -96,19 +96,25 @@ class Downsampler:
         self._records += 1
         bucket[_LAST] = step
         bucket[_N] += 1
+        # Plain comparisons, not min()/max(): this runs once per line.
         if loss is not None:
-            bucket[_LMIN] = min(bucket[_LMIN], loss)
-            bucket[_LMAX] = max(bucket[_LMAX], loss)
+            if loss < bucket[_LMIN]:
+                bucket[_LMIN] = loss
+            if loss > bucket[_LMAX]:
+                bucket[_LMAX] = loss
         if grad_max_abs is not None and grad_max_abs > bucket[_GMAX]:
             bucket[_GMAX] = grad_max_abs
         if headroom is not None and headroom < bucket[_HMIN]:
             bucket[_HMIN] = headroom
         if scale is not None:
-            bucket[_SMIN] = min(bucket[_SMIN], scale)
-            bucket[_SMAX] = max(bucket[_SMAX], scale)
-        bucket[_SKIP] += skipped
-        bucket[_HELD] += held
-        bucket[_NONF] += nonfinite
+            if scale < bucket[_SMIN]:
+                bucket[_SMIN] = scale
+            if scale > bucket[_SMAX]:
+                bucket[_SMAX] = scale
+        if skipped or held or nonfinite:
+            bucket[_SKIP] += skipped
+            bucket[_HELD] += held
+            bucket[_NONF] += nonfinite
 
     def _halve(self) -> None:
         pairs = zip(self._buckets[0::2], self._buckets[1::2], strict=True)
