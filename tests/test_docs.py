@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import nanrunbook
 import nanrunbook.capture
+import nanrunbook.telemetry
 from nanrunbook import EvidenceRejected, check_bundle, report_document
 from nanrunbook._version import __version__
 from nanrunbook.cli import app
@@ -209,7 +210,7 @@ def test_every_violation_code_is_in_section_5_and_the_reverse() -> None:
 
 
 def test_exit_codes_are_documented() -> None:
-    assert set(tags(sections(MAN1)["EXIT STATUS"])) == {"0", "1", "2", "3", "4", "130"}
+    assert set(tags(sections(MAN1)["EXIT STATUS"])) == {"0", "1", "2", "3", "4", "5", "130"}
 
 
 def test_environment_documents_what_is_read() -> None:
@@ -518,6 +519,7 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
+    public |= {f"nanrunbook.telemetry.{name}" for name in nanrunbook.telemetry.__all__}
     # capture.torch needs torch to import; read its __all__ from the source instead.
     torch_module = ast.parse((ROOT / "nanrunbook" / "capture" / "torch.py").read_text())
     for node in torch_module.body:
