@@ -450,3 +450,35 @@ def test_the_common_shape_fast_path_agrees_with_the_checked_parser(runs: dict[st
                 except TelemetryLineError as error:
                     raise AssertionError(f"fast path accepted {document}: {error}") from None
     assert answered > 100
+
+
+# ----------------------------------------- lines the sentinel itself wrote
+
+SENTINEL = Path(__file__).parent / "sentinel_telemetry"
+
+
+def test_lines_written_by_the_sentinel_read_without_a_bad_line() -> None:
+    """Telemetry of nanrunbook.capture.torch.Sentinel's own test runs (branch
+    capture: a GradScaler probing K backoffs, the skip policy, a healthy AMP
+    loop), with the fields it appends (activations, lr)."""
+    probe = summarise_file(SENTINEL / "gradscaler-probe.jsonl")
+    assert probe.bad_lines == 0 and probe.records == 4
+    assert probe.scale is not None and probe.scale.longest_backoff_streak is not None
+    assert probe.scale.longest_backoff_streak.length == 3
+    codes = {w.code: w for w in probe.warnings}
+    assert codes["LOSS_SCALE_BACKOFF_STREAK"].first_step == 2
+    assert codes["LOSS_SCALE_BACKOFF_STREAK"].source == "telemetry"
+    assert probe.holds.steps == (4,) and probe.exit_code() is Exit.HOLD
+    skip = summarise_file(SENTINEL / "skip-policy.jsonl")
+    assert skip.bad_lines == 0 and skip.first_nonfinite is not None
+    assert skip.first_nonfinite.part == "loss:nan"
+    healthy = summarise_file(SENTINEL / "healthy-amp.jsonl")
+    assert healthy.bad_lines == 0 and healthy.status == "OK" and healthy.warnings == ()
+
+
+def test_a_null_gradient_dtype_reads(tmp_path: Path) -> None:
+    lines = (SENTINEL / "healthy-amp.jsonl").read_bytes().splitlines()
+    document = orjson.loads(lines[0])
+    document["grad"]["dtype"] = None
+    record = parse_record(document)
+    assert record.grad.dtype is None

@@ -8,7 +8,7 @@ once per training step (and per rank), with these fields in this order::
      "loss": float | null (null when non-finite),
      "loss_class": "finite" | "nan" | "posinf" | "neginf",
      "grad": {"nan": int, "posinf": int, "neginf": int, "max_abs": float | null,
-              "dtype": str, "headroom_bits": float | null, "norm": float | null},
+              "dtype": str | null, "headroom_bits": float | null, "norm": float | null},
      "update": {"nan": int, "posinf": int, "neginf": int, "max_abs": float | null}
                | null,
      "scale": float | null, "found_inf": bool | null, "skipped": bool,
@@ -65,7 +65,7 @@ class GradientStats:
     posinf: int
     neginf: int
     max_abs: float | None  # largest finite magnitude; None when there is none
-    dtype: str
+    dtype: str | None  # None when the writer does not know it
     headroom_bits: float | None  # log2(dtype max / max_abs); None when undefined
     norm: float | None
 
@@ -149,11 +149,11 @@ def loss_fields(loss: float) -> tuple[float | None, str]:
     return float(loss), "finite"
 
 
-def headroom_bits(max_abs: float | None, dtype: str) -> float | None:
+def headroom_bits(max_abs: float | None, dtype: str | None) -> float | None:
     """Bits between a finite largest magnitude and ``dtype``'s largest finite value:
     0 when saturated, below 1 when within a factor of two. None when either is
     unknown or ``max_abs`` is zero (no magnitude, no headroom to speak of)."""
-    known = DTYPES.get(dtype)
+    known = DTYPES.get(dtype) if dtype is not None else None
     if max_abs is None or known is None or known.max_finite is None or not max_abs > 0:
         return None
     return max(0.0, math.log2(known.max_finite / max_abs))
@@ -296,8 +296,10 @@ def _counts(document: Any, name: str) -> tuple[int, int, int, float | None]:
 def _gradient(document: Any) -> GradientStats:
     nan, posinf, neginf, max_abs = _counts(document, "grad")
     dtype = document.get("dtype")
-    if type(dtype) is not str or not 0 < len(dtype) <= 32:
-        raise _invalid("grad.dtype", "expected a dtype name")
+    if (dtype is not None or "dtype" not in document) and (
+        type(dtype) is not str or not 0 < len(dtype) <= 32
+    ):
+        raise _invalid("grad.dtype", "expected a dtype name or null")
     headroom = _number(document, "headroom_bits", where="grad.")
     norm = _number(document, "norm", where="grad.")
     return GradientStats(nan, posinf, neginf, max_abs, dtype, headroom, norm)
@@ -381,7 +383,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         or (found_inf is not none and type(found_inf) is not bool)
         or type(skipped) is not bool or type(held) is not bool
         or warnings != [] or type(run_id) is not str or not 0 < len(run_id) <= 256
-        or type(dtype) is not str or not 0 < len(dtype) <= 32
+        or (dtype is not none and (type(dtype) is not str or not 0 < len(dtype) <= 32))
         or (bundle is not none and type(bundle) is not str)
     ):  # fmt: skip
         return None

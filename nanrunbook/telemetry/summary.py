@@ -442,18 +442,21 @@ class Summariser:
             if bits is None:
                 return None
         step = record.step
+        dtype = grad.dtype or "unknown dtype"
         if bits < 1.0:
             code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
             if all(w.code != code for w in record.warnings):
-                message = f"gradient max abs {grad.max_abs:.6g} is {bits:.2f} bits below the {grad.dtype} max"
+                message = (
+                    f"gradient max abs {grad.max_abs:.6g} is {bits:.2f} bits below the {dtype} max"
+                )
                 self._warn(code, step, message, "watch", events)
-        state.dtype = grad.dtype
+        state.dtype = dtype
         state.trend.add(step, bits)
         falling = self._falling(state.trend, bits)
         if falling is not None:
             slope, steps = falling
             message = (
-                f"gradient headroom {bits:.1f} bits ({grad.dtype}), falling {-slope:.2f} bits/step:"
+                f"gradient headroom {bits:.1f} bits ({dtype}), falling {-slope:.2f} bits/step:"
                 f" the dtype's max in about {steps:.0f} steps at this rate"
             )
             self._warn(
