@@ -134,6 +134,20 @@ def test_until_step_stops_the_follower(tmp_path: Path, lines: list[bytes]) -> No
     assert 6 <= int(last.split("=")[1]) <= 9
 
 
+def test_a_reader_that_goes_away_stops_the_follower(tmp_path: Path, lines: list[bytes]) -> None:
+    """``watch --follow | head -1``: once the pipe is closed, the next event ends
+    the follow, and the exit status is still the summary's."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"".join(lines[:3]))
+    process = start(path)
+    wait_following(process)
+    assert process.stdout is not None
+    process.stdout.close()
+    append(path, b"".join(lines[3:]))  # a warning and a hold: events to write
+    assert process.wait(timeout=TIMEOUT) == 1
+    assert process.stderr is not None and "Traceback" not in process.stderr.read()
+
+
 def test_ctrl_c_exits_130_with_the_summary(tmp_path: Path, lines: list[bytes]) -> None:
     path = tmp_path / "t.jsonl"
     path.write_bytes(b"".join(lines[:5]))

@@ -51,7 +51,7 @@ def consume(summariser: Summariser, item: Item) -> list[WatchEvent]:
 
 def follow(
     summariser: Summariser,
-    on_event: Callable[[WatchEvent], None],
+    on_event: Callable[[WatchEvent], bool | None],
     *,
     poll_interval: float = 0.1,
     stop_after_idle: float | None = None,
@@ -63,17 +63,19 @@ def follow(
     happens after the lines already there (those are counted quietly, then one
     ``following`` event says where reading stands). Returns when a record at or
     past ``until_step`` has been read, after ``stop_after_idle`` seconds without
-    a new line, or never: Ctrl-C raises FollowInterrupted, which carries the
-    summary of everything read."""
+    a new line, when ``on_event`` returns False (its reader went away), or
+    never: Ctrl-C raises FollowInterrupted, which carries the summary of
+    everything read."""
     follower = Follower(summariser.path)
     try:
-        reached = False
+        stop = False
         for item in follower.read_available():
             consume(summariser, item)
-            reached = reached or _reached(item, until_step)
-        on_event(summariser.notice("following", _following(follower, summariser)))
+            stop = stop or _reached(item, until_step)
+        following = summariser.notice("following", _following(follower, summariser))
+        stop = on_event(following) is False or stop
         idle_since = clock()
-        while not reached:
+        while not stop:
             if stop_after_idle is not None and clock() - idle_since >= stop_after_idle:
                 break
             sleep(poll_interval)
@@ -82,8 +84,8 @@ def follow(
                 idle_since = clock()
             for item in items:
                 for event in consume(summariser, item):
-                    on_event(event)
-                reached = reached or _reached(item, until_step)
+                    stop = on_event(event) is False or stop
+                stop = stop or _reached(item, until_step)
     except KeyboardInterrupt:
         summariser.add_incomplete(follower.incomplete())
         raise FollowInterrupted(summariser.summary(lines=follower.lines)) from None
