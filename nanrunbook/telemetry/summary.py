@@ -386,26 +386,30 @@ class Summariser:
         return state
 
     def _scaler(self, record: TelemetryRecord, state: _Rank) -> None:
-        step, rank, scale = record.step, record.rank, record.scale
-        if record.skipped:
+        step, rank, scale, skipped = record.step, record.rank, record.scale, record.skipped
+        if skipped:
             self._skips.add(step)
-        self._skip_best = state.skips.extend(record.skipped, step, rank, self._skip_best)
-        if record.found_inf is True and record.skipped:
-            self._overflows.add(step)
+            if record.found_inf is True:
+                self._overflows.add(step)
+        if skipped or state.skips.length:  # a streak to extend or to end
+            self._skip_best = state.skips.extend(skipped, step, rank, self._skip_best)
         if scale is None:
             return
         backoff = state.scale is not None and scale < state.scale
         if backoff:
             self._backoffs.add(step)
-        self._backoff_best = state.backoffs.extend(backoff, step, rank, self._backoff_best)
+        if backoff or state.backoffs.length:
+            self._backoff_best = state.backoffs.extend(backoff, step, rank, self._backoff_best)
         state.scale = scale
         kept = self._scale
         if kept is None:
             self._scale = [scale, scale, scale, scale]
-        else:
-            kept[1] = scale
-            kept[2] = min(kept[2], scale)
-            kept[3] = max(kept[3], scale)
+            return
+        kept[1] = scale
+        if scale < kept[2]:
+            kept[2] = scale
+        elif scale > kept[3]:
+            kept[3] = scale
 
     def _record_nonfinite(
         self, record: TelemetryRecord, part: str, events: list[WatchEvent]
