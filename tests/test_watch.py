@@ -482,3 +482,13 @@ def test_a_null_gradient_dtype_reads(tmp_path: Path) -> None:
     document["grad"]["dtype"] = None
     record = parse_record(document)
     assert record.grad.dtype is None
+
+
+def test_derived_codes_are_registered_warning_codes() -> None:
+    from nanrunbook.telemetry.summary import DERIVED_CODES
+    from nanrunbook.warning_codes import WARNING_CODES
+
+    assert set(DERIVED_CODES) <= set(WARNING_CODES)
+    source = (Path(__file__).parent.parent / "nanrunbook/telemetry/summary.py").read_text()
+    derived = {c for c in WARNING_CODES if f'"{c}"' in source}
+    assert derived == set(DERIVED_CODES)

@@ -34,6 +34,7 @@ from nanrunbook.telemetry.series import Downsampler, SeriesBucket
 from nanrunbook.telemetry.trend import SlidingTrend
 
 __all__ = [
+    "DERIVED_CODES",
     "WATCH_FORMAT",
     "HeadroomTrend",
     "NonFiniteStep",
@@ -58,6 +59,8 @@ TREND_MIN_DROP_BITS = 4.0
 MESSAGE_KEPT = 300  # characters of a warning's first message
 
 Source = Literal["telemetry", "watch"]
+# The warning codes the summariser derives itself (nanrunbook.warning_codes).
+DERIVED_CODES = ("AT_DTYPE_MAX", "NEAR_DTYPE_MAX", "HEADROOM_FALLING")
 
 
 @dataclass(frozen=True, slots=True)
