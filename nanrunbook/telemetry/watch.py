@@ -100,5 +100,5 @@ def _reached(item: Item, until_step: int | None) -> bool:
 
 
 def _following(follower: Follower, summariser: Summariser) -> str:
-    read = f"read {follower.lines} lines, {summariser.records} records"
-    return f"{read}; following {follower.path} (Ctrl-C to stop)"
+    read = f"read {follower.lines} lines, {summariser.records} records of {follower.path}"
+    return f"{read}; waiting for new lines (Ctrl-C to stop)"
