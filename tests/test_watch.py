@@ -492,3 +492,22 @@ def test_derived_codes_are_registered_warning_codes() -> None:
     source = (Path(__file__).parent.parent / "nanrunbook/telemetry/summary.py").read_text()
     derived = {c for c in WARNING_CODES if f'"{c}"' in source}
     assert derived == set(DERIVED_CODES)
+
+
+def test_a_file_without_any_newline_is_read_in_bounded_pieces(tmp_path: Path) -> None:
+    path = tmp_path / "one-huge-line.jsonl"
+    path.write_bytes(b'{"format": "nanrunbook-telemetry/1", "pad": "' + b"x" * (5 * MAX_LINE_BYTES))
+    summary = summarise_file(path)
+    assert summary.bad_lines == 1 and summary.bad_examples[0].kind == "TOO_LONG"
+    assert summary.incomplete is None and summary.status == "EMPTY"
+    assert watch(str(path), "-f", "kv")[0] == Exit.REJECTED
+
+
+def test_random_bytes_are_bad_lines_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "random.bin"
+    path.write_bytes(random.Random(3).randbytes(300_000))
+    summary = summarise_file(path)
+    assert summary.records == 0 and summary.bad_lines > 0
+    assert {b.kind for b in summary.bad_examples} <= {"NOT_JSON", "TOO_LONG"}
+    code, _ = watch(str(path), "--no-plots")
+    assert code == Exit.REJECTED
