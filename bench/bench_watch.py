@@ -18,7 +18,9 @@ on every command alike, each in its own subprocess:
   must not grow with the file.
 
 It prints the median wall time of each, the ratios to the baselines, and the
-peak RSS of each subprocess (``ru_maxrss`` from ``wait4``), warm page cache.
+CPU time (user + system) and peak RSS of each subprocess (``ru_utime``,
+``ru_stime`` and ``ru_maxrss`` from ``wait4``), warm page cache. On a shared
+machine the CPU time moves less with the load than the wall time does.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Command:
     argv: list[str]
     expect: int
     walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)  # user + system seconds
     rss_kib: list[int] = field(default_factory=list)
 
     def run(self) -> None:
@@ -131,11 +134,16 @@ class Command:
         if code != self.expect:
             raise SystemExit(f"{self.name}: exit {code}, expected {self.expect}\n{err}")
         self.walls.append(wall)
+        self.cpus.append(usage.ru_utime + usage.ru_stime)
         self.rss_kib.append(usage.ru_maxrss)
 
     @property
     def median(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
 
     @property
     def peak_mb(self) -> float:
@@ -159,6 +167,7 @@ def main() -> None:
     for command in commands:  # warm-up: page cache, .pyc files
         command.run()
         command.walls.clear()
+        command.cpus.clear()
     for _ in range(args.runs):
         for command in commands:
             command.run()
@@ -167,10 +176,16 @@ def main() -> None:
     print(f"{args.lines} lines ({size:.0f} MB), median of {args.runs} alternating warm-cache runs")
     print(f"{platform.python_implementation()} {platform.python_version()}, load {os.getloadavg()}")
     for command in commands:
-        print(f"  {command.name:<9} {command.median:7.2f} s   peak RSS {command.peak_mb:6.1f} MB")
-    print(f"  watch / orjson.loads loop  {by['watch'].median / by['loads'].median:.2f} x")
+        print(
+            f"  {command.name:<9} {command.median:7.2f} s wall {command.cpu:7.2f} s CPU"
+            f"   peak RSS {command.peak_mb:6.1f} MB"
+        )
+    print(
+        f"  watch / orjson.loads loop  {by['watch'].median / by['loads'].median:.2f} x wall,"
+        f" {by['watch'].cpu / by['loads'].cpu:.2f} x CPU"
+    )
     print(f"  watch / wc -l              {by['watch'].median / by['wc'].median:.1f} x")
-    print(f"  lines per second (watch)   {args.lines / by['watch'].median:,.0f}")
+    print(f"  lines per CPU second       {args.lines / by['watch'].cpu:,.0f} (watch)")
     growth = by["watch"].peak_mb / by["watch/10"].peak_mb
     print(f"  peak RSS, 10x the lines    {growth:.2f} x")
 
