@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
@@ -511,3 +512,15 @@ def test_random_bytes_are_bad_lines_not_a_crash(tmp_path: Path) -> None:
     assert {b.kind for b in summary.bad_examples} <= {"NOT_JSON", "TOO_LONG"}
     code, _ = watch(str(path), "--no-plots")
     assert code == Exit.REJECTED
+
+
+def test_the_man_page_names_every_summary_key(runs: dict[str, Path]) -> None:
+    from nanrunbook.telemetry.document import watch_document
+
+    page = (Path(__file__).parent.parent / "man" / "nanrunbook.1").read_text()
+    section = page.split(".SH TELEMETRY\n", 1)[1].split("\n.SH ", 1)[0].replace("\\-", "-")
+    named = set(re.findall(r"[a-z_]+", section))
+    document = watch_document(summarise_file(runs["scaler"]))
+    assert set(document) <= named, set(document) - named
+    _, out = watch(str(runs["scaler"]), "-f", "kv")
+    assert set(kv(out)) <= named, set(kv(out)) - named
