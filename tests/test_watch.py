@@ -524,3 +524,24 @@ def test_the_man_page_names_every_summary_key(runs: dict[str, Path]) -> None:
     assert set(document) <= named, set(document) - named
     _, out = watch(str(runs["scaler"]), "-f", "kv")
     assert set(kv(out)) <= named, set(kv(out)) - named
+
+
+def test_ranks_interleaved_keep_their_own_streaks(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Two ranks' lines of the same steps, interleaved as two processes appending
+    to one file: streaks and backoffs are counted per rank, never across them."""
+    single = summarise_file(runs["scaler"])
+    path = tmp_path / "two-ranks.jsonl"
+    with JsonlSink(path) as sink:
+        for record in read_telemetry(runs["scaler"]):
+            assert isinstance(record, TelemetryRecord)
+            sink.emit(replace(record, world_size=2))
+            sink.emit(replace(record, rank=1, world_size=2))
+    both = summarise_file(path)
+    assert both.ranks == (0, 1) and both.world_size == 2
+    assert both.records == 2 * single.records
+    assert single.scale is not None and both.scale is not None
+    assert both.scale.backoffs.count == 2 * single.scale.backoffs.count
+    assert both.scale.longest_backoff_streak is not None
+    assert single.scale.longest_backoff_streak is not None
+    assert both.scale.longest_backoff_streak.length == single.scale.longest_backoff_streak.length
+    assert both.step_regressions == 0
