@@ -23,8 +23,15 @@ from nanrunbook._version import __version__
 if TYPE_CHECKING:
     from nanrunbook.check import check_bundle
     from nanrunbook.contract import Caps, contract_content_id, contract_document
+    from nanrunbook.diff import (
+        Comparison,
+        ComparisonRejected,
+        diff_bundles,
+        diff_document,
+    )
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.precision import WarningThresholds, headroom
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -33,22 +40,34 @@ _LAZY = {
     "contract_content_id": ".contract",
     "contract_document": ".contract",
     "decide": ".verdict.decision",
+    "Comparison": ".diff",
+    "ComparisonRejected": ".diff",
+    "diff_bundles": ".diff",
+    "diff_document": ".diff",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
     "Report": ".verdict.report",
     "report_document": ".verdict.report",
+    "WarningThresholds": ".verdict.precision",
+    "headroom": ".verdict.precision",
 }
 
 __all__ = [
     "Caps",
+    "Comparison",
+    "ComparisonRejected",
     "EvidenceRejected",
     "Report",
     "Violation",
+    "WarningThresholds",
     "__version__",
     "check_bundle",
     "contract_content_id",
     "contract_document",
     "decide",
+    "diff_bundles",
+    "diff_document",
+    "headroom",
     "report_document",
 ]
 

@@ -25,14 +25,12 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.writer import NUMPY_DTYPES, BundleWriter
+from nanrunbook.capture.writer import BundleWriter
+from nanrunbook.dtypes import TORCH_DTYPES
 from nanrunbook.manifest.parse import BINDING_ITEMS
 from nanrunbook.tensors.safetensors_write import RawTensor
 
 __all__ = ["TORCH_DTYPES", "replay_step", "tensor_to_raw"]
-
-# torch and numpy/ml_dtypes share their dtype names; torch adds packed F4.
-TORCH_DTYPES = {**NUMPY_DTYPES, "float4_e2m1fn_x2": "F4"}
 
 
 def _dtype_name(dtype: Any) -> str:

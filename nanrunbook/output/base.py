@@ -15,7 +15,8 @@ from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
+    from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["Renderer"]
@@ -43,6 +44,10 @@ class Renderer(ABC):
     @abstractmethod
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         """The contract document in force (``contract``)."""
+
+    @abstractmethod
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        """Two bundles compared (``diff``), or the rejection of one side or both."""
 
     @abstractmethod
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:

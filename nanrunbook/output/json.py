@@ -18,6 +18,7 @@ from nanrunbook.verdict.report import (
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
+    from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["JsonRenderer", "json_text"]
@@ -44,6 +45,18 @@ class JsonRenderer(Renderer):
 
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         out.write(json_text(document))
+
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        from nanrunbook.diff import (
+            ComparisonRejected,
+            diff_document,
+            diff_rejection_document,
+        )
+
+        if isinstance(result, ComparisonRejected):
+            out.write(json_text(diff_rejection_document(result)))
+        else:
+            out.write(json_text(diff_document(result)))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from nanrunbook.telemetry.document import watch_document
