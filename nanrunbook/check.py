@@ -19,9 +19,9 @@ from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.followup import checklist_for
 from nanrunbook.verdict.precision import WarningThresholds, early_warnings
 from nanrunbook.verdict.report import Report
-from nanrunbook.verdict.runbook import checklist
 
 __all__ = ["check_bundle"]
 
@@ -80,6 +80,8 @@ def check_bundle(
         manifest=manifest,
         stages=findings,
         decision=decision,
-        checklist=checklist(decision.earliest_nonfinite_stage),
+        checklist=(),
     )
-    return replace(report, warnings=early_warnings(report, thresholds))
+    report = replace(report, warnings=early_warnings(report, thresholds))
+    # The checklist names the evidence, warnings included: it is built last.
+    return replace(report, checklist=checklist_for(report))

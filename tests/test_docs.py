@@ -28,6 +28,7 @@ from nanrunbook._version import __version__
 from nanrunbook.cli import app
 from nanrunbook.codes import CODES
 from nanrunbook.contract import contract_content_id, contract_document
+from nanrunbook.exits import Exit
 from nanrunbook.manifest.content_id import evidence_content_id
 from nanrunbook.verdict.report import rejection_document
 
@@ -211,6 +212,7 @@ def test_every_violation_code_is_in_section_5_and_the_reverse() -> None:
 
 def test_exit_codes_are_documented() -> None:
     assert set(tags(sections(MAN1)["EXIT STATUS"])) == {"0", "1", "2", "3", "4", "5", "130"}
+    assert {str(int(code)) for code in Exit} == set(tags(sections(MAN1)["EXIT STATUS"]))
 
 
 def test_environment_documents_what_is_read() -> None:
@@ -430,7 +432,7 @@ def test_bash_script_registers_the_completion() -> None:
     [
         ("nanrunbook ch", "1", {"check", "checklist"}),
         ("nanrunbook s", "1", {"schema", "seal"}),
-        ("nanrunbook check --f", "2", {"--format"}),
+        ("nanrunbook check --f", "2", {"--format", "--fail-on-warnings"}),
         ("nanrunbook check --format ", "3", {"text", "json", "kv"}),
         ("nanrunbook di", "1", {"diff"}),
         ("nanrunbook diff --req", "2", {"--require-fixed"}),

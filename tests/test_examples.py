@@ -4,6 +4,8 @@ bundle with replay_step and get HOLD at the stage where the symptom is."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -128,3 +130,27 @@ def test_fp16_example_warns_that_the_input_is_beyond_the_compute_dtype(ran: Ran)
     x = report["stages"][0]["tensors"][0]
     assert x["extremes"]["max_abs"] > 65504 >= x["headroom"]["compute"]["max_finite"]
     assert (report["decision"], report["exit_code"]) == ("HOLD", 1)
+
+
+def test_fp16_example_text_report_names_the_input_beyond_f16(ran: Ran) -> None:
+    """Issue 11: the one-screen report shows the warning in its own section and the
+    checklist names the extreme that overflowed F16, with its distance upstream."""
+    done, bundle = ran("fp16_overflow_gradscaler.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    env = {**os.environ, "COLUMNS": "80"}
+    text = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "check", str(bundle)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    ).stdout
+    assert max(len(line) for line in text.splitlines()) <= 80
+    flat = " ".join(text.split())
+    assert "Warnings (1, upstream first) BEYOND_COMPUTE_DTYPE input batch/x: max |value|" in flat
+    assert re.search(
+        r"Inspect upstream finite extremes: batch/x \(input, F32\) reached [\d.]+, 0\.1 bits "
+        r"above F16's max \(the compute dtype\), one stage before the first non-finite tensor\. "
+        r"Warnings upstream: BEYOND_COMPUTE_DTYPE at batch/x \(input\)\.",
+        flat,
+    ), flat

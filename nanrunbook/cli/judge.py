@@ -11,44 +11,72 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from nanrunbook.contract import Caps
 from nanrunbook.errors import EvidenceRejected
+
+if TYPE_CHECKING:
+    from nanrunbook.output.base import Renderer
+    from nanrunbook.verdict.precision import WarningThresholds
 
 __all__ = ["emit", "emit_rejection", "judge", "silence"]
 
 
 def judge(
-    bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None, progress: bool = False
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    progress: bool = False,
+    brief: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
 ) -> int:
     """Check ``bundle``, write the report or rejection in ``fmt`` to ``out``, and
     return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
-    it is erased before anything is written to ``out``."""
+    it is erased before anything is written to ``out``. ``brief`` (text only)
+    writes at most six lines. ``fail_on_warnings`` turns a CONTINUE with warnings
+    into exit 5."""
     from nanrunbook.check import check_bundle
     from nanrunbook.output.progress import check_progress
-    from nanrunbook.output.renderers import RENDERERS
 
     try:
         with check_progress(progress) as bar:
-            report = check_bundle(bundle, caps=caps, progress=bar)
+            report = check_bundle(bundle, caps=caps, progress=bar, thresholds=thresholds)
     except EvidenceRejected as error:
-        return emit_rejection(error, bundle, fmt, out, caps=caps)
-    emit(functools.partial(RENDERERS[fmt].report, report, out), out)
-    return report.exit_code
+        return emit_rejection(error, bundle, fmt, out, caps=caps, brief=brief)
+    emit(functools.partial(_renderer(fmt, brief).report, report, out), out)
+    return report.exit_code_for(fail_on_warnings=fail_on_warnings)
 
 
 def emit_rejection(
-    error: EvidenceRejected, bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None
+    error: EvidenceRejected,
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    brief: bool = False,
 ) -> int:
     """Write a rejection in ``fmt``; return its exit code."""
     from nanrunbook.contract import contract_content_id
-    from nanrunbook.output.renderers import RENDERERS
 
-    renderer = RENDERERS[fmt]
+    renderer = _renderer(fmt, brief)
     content_id = contract_content_id(caps)
     emit(functools.partial(renderer.rejection, error, str(bundle), content_id, out), out)
     return error.exit_code
+
+
+def _renderer(fmt: str, brief: bool) -> Renderer:
+    from nanrunbook.output.renderers import RENDERERS
+    from nanrunbook.output.text import TextRenderer
+
+    if brief:
+        assert fmt == "text", "--brief is refused with other formats before the check"
+        return TextRenderer(brief=True)
+    return RENDERERS[fmt]
 
 
 def emit(write: Callable[[], None], out: IO[str]) -> None:

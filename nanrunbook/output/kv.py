@@ -57,6 +57,10 @@ class KvRenderer(Renderer):
             f"decision={decision.decision}",
             f"action={decision.action}",
             f"root_cause_claim={decision.root_cause_claim}",
+            # Appended after the spec's lines (section 10 allows it). A tensor name
+            # is not shell-safe; its index in the stage is.
+            f"warnings={len(report.warnings)}",
+            *(f"warning={w.code} {w.stage}#{w.index}" for w in report.warnings),
         ]
         _write(lines, out)
 

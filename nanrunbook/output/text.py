@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
-from nanrunbook.records import StageFinding
+from nanrunbook.records import StageFinding, TensorFinding
+from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
@@ -24,10 +26,6 @@ if TYPE_CHECKING:
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["TextRenderer"]
-
-
-def _magnitude(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
 
 
 @functools.cache
@@ -44,21 +42,62 @@ def _verdict_console() -> Any:
     return VerdictConsole
 
 
+@functools.cache
+def _trimmed() -> Any:
+    """A wrapper that drops the spaces rich pads table and grid lines with: a line of
+    the report ends where its text ends, in a log as at a terminal."""
+    from rich.segment import Segment
+
+    class Trimmed:
+        def __init__(self, renderable: Any) -> None:
+            self.renderable = renderable
+
+        def __rich_console__(self, console: Any, options: Any) -> Any:
+            for line in console.render_lines(self.renderable, options, pad=False):
+                while line and not line[-1].control and not line[-1].text.rstrip():
+                    line.pop()
+                if line and not line[-1].control:
+                    last = line.pop()
+                    line.append(Segment(last.text.rstrip(), last.style, last.control))
+                yield from line
+                yield Segment.line()
+
+    return Trimmed
+
+
+def _show(console: Any, renderable: Any = "") -> None:
+    """Print ``renderable`` wrapped to the console's width, without trailing spaces."""
+    if renderable == "":
+        console.print()
+    else:
+        console.print(_trimmed()(renderable), soft_wrap=False)
+
+
 class TextRenderer(Renderer):
-    """The on-call view, through rich; colour only on a terminal without NO_COLOR."""
+    """The on-call view, through rich; colour only on a terminal without NO_COLOR.
+
+    Lines wrap to the console's width (the terminal's, COLUMNS, or 80 when not a
+    terminal); ``width`` fixes it. ``brief`` prints at most six unwrapped lines.
+    """
 
     name = "text"
 
-    def __init__(self, *, force_terminal: bool | None = None) -> None:
+    def __init__(
+        self, *, force_terminal: bool | None = None, width: int | None = None, brief: bool = False
+    ) -> None:
         self.force_terminal = force_terminal
+        self.width = width
+        self.brief = brief
 
     def _console(self, out: IO[str]) -> Any:
         # rich drops styles when ``out`` is not a terminal; NO_COLOR (any
         # non-empty value, no-color.org) turns off every escape sequence, bold
-        # included. Soft wrapping keeps ids and messages whole in logs.
+        # included. Soft wrapping keeps ids and messages whole where a caller
+        # prints directly; the report wraps to the width through _show.
         plain = bool(os.environ.get("NO_COLOR"))
         return _verdict_console()(
             file=out,
+            width=self.width,
             highlight=False,
             emoji=False,
             soft_wrap=True,
@@ -67,84 +106,20 @@ class TextRenderer(Renderer):
         )
 
     def report(self, report: Report, out: IO[str]) -> None:
-        from rich.table import Table
-        from rich.text import Text
-
         console = self._console(out)
-        decision = report.decision
-        manifest = report.manifest
-        style = "bold red" if decision.decision == HOLD else "bold green"
-        console.print(Text.assemble(("nanrunbook check: ", "bold"), (decision.decision, style)))
-        facts = [
-            ("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
-            ("first non-finite tensor", _first_tensor(report)),
-            ("action", decision.action),
-            ("root cause claim", decision.root_cause_claim),
-            ("run", f"{manifest.run_id} step {manifest.step}"),
-            ("evidence", manifest.evidence_id),
-            ("incident owner", manifest.incident_owner),
-            ("evidence content id", manifest.evidence_content_id),
-            ("contract", f"{report.contract_version} {report.contract_content_id}"),
-        ]
-        width = max(len(label) for label, _ in facts)
-        for label, value in facts:
-            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
-        console.print(Text("  The symptom's location is not its cause.", style="italic"))
-        console.print()
-
-        numeric = ("elements", "finite", "nan", "+inf", "-inf", "max abs")
-        table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
-        for column in ("stage", "status", "counts", *numeric):
-            table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
-        for stage in report.stages:
-            counts = stage.counts
-            values = (
-                (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf)
-                if counts is not None
-                else ("-",) * 5
-            )
-            cells = [
-                stage.stage,
-                stage.status,
-                stage.counts_source or "-",
-                *(str(v) for v in values),
-                _magnitude(report.reported_magnitude(stage, stage.finite_max_abs)),
-            ]
-            row_style = "red" if counts is not None and counts.nonfinite else ""
-            table.add_row(*(Text(c) for c in cells), style=row_style)
-        console.print(table)
-        for stage in report.stages:
-            record = stage.record
-            line = f"  {stage.stage}: owner {record.owner}, telemetry {record.telemetry_id}, "
-            line += f"probe source: {record.probe_source}"
-            console.print(Text(line))
-            if record.status == "NOT_RUN":
-                console.print(Text(f"    NOT_RUN: {record.reason or ''}"))
-            elif stage.counts is not None and stage.counts.nonfinite:
-                console.print(Text(f"    first non-finite tensor: {_stage_first_tensor(stage)}"))
-            if record.gradients == "scaled":
-                console.print(
-                    Text(
-                        f"    scaled gradients: magnitudes shown divided by the scale {report.scaler.scale:g}"
-                    )
-                )
-        console.print(Text(_scaler_line(report)))
-        lkg = manifest.last_known_good
-        console.print(
-            Text(
-                f"last known-good: {lkg.checkpoint_id} at step {lkg.step} "
-                f"({', '.join(lkg.verified_together)} verified together)"
-            )
+        if self.brief:
+            _print_unwrapped(console, _brief_lines(report))
+            return
+        _print_verdict(console, report)
+        _print_stages(console, report)
+        if report.decision.earliest_nonfinite_stage is None:
+            _print_probes(console, report)
+        else:
+            _print_earliest_stage(console, report)
+        _print_warnings(console, report)
+        _print_sections(
+            console, report.checklist, heading="Checklist (whole runbook: nanrunbook checklist)"
         )
-        console.print()
-        console.print(
-            Text(
-                "Containment: hold the update, preserve the boundary, mark the last known-good "
-                "state, choose replay authority (full runbook: nanrunbook checklist)."
-            )
-        )
-        replay = tuple(s for s in report.checklist if s.id.startswith("stage-") or s.id == "replay")
-        _print_sections(console, replay, heading="Replay checklist")
 
     def rejection(
         self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
@@ -153,19 +128,24 @@ class TextRenderer(Renderer):
 
         console = self._console(out)
         count = len(error.violations)
-        console.print(
-            Text.assemble(
-                ("nanrunbook check: ", "bold"),
-                ("REJECTED", "bold yellow"),
-                f" - {count} violation{'s' if count != 1 else ''}; no decision is made on this evidence",
-            )
+        headline = Text.assemble(
+            ("nanrunbook check: ", "bold"),
+            ("REJECTED", "bold yellow"),
+            f" - {count} violation{'s' if count != 1 else ''}; no decision is made on this evidence",
         )
-        for violation in error.violations:
-            console.print(
-                Text.assemble(
-                    ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
-                )
+        if self.brief:
+            _print_unwrapped(
+                console, [headline, *_brief_violations(error), _fact_line("bundle", bundle)]
             )
+            return
+        _show(console, headline)
+        _show(console, _grid([("bundle", Text(bundle))]))
+        for violation in error.violations:
+            _show(
+                console,
+                _indented(Text.assemble((violation.code, "yellow"), f" {violation.where}"), 2),
+            )
+            _show(console, _indented(Text(_shorten_digests(violation.message)), 4))
 
     def checklist(self, sections: tuple[Section, ...], out: IO[str]) -> None:
         _print_sections(self._console(out), sections, heading="nanrunbook replay checklist")
@@ -271,10 +251,119 @@ class TextRenderer(Renderer):
         out.flush()
 
 
-def _stage_first_tensor(stage: StageFinding) -> str:
-    if stage.counts_source != "recounted":
-        return "unknown (a summary has no per-tensor counts)"
-    return stage.first_nonfinite_tensor or "-"
+# ---------------------------------------------------------------- building blocks
+
+_DIGEST = re.compile(r"\b([0-9a-f]{12})[0-9a-f]{52}\b")
+_TENSORS_SHOWN = 5  # rows of the earliest stage's tensors before "N more"
+_NUMERIC = ("elements", "nan", "+inf", "-inf", "max abs")
+
+
+def _shorten_digests(text: str) -> str:
+    """Every SHA-256 hex digest cut to its first 12 digits: content ids and digests
+    are whole in json and kv; in text they would not fit 80 columns."""
+    return _DIGEST.sub(r"\1...", text)
+
+
+def _indented(text: Any, left: int) -> Any:
+    from rich.padding import Padding
+
+    return Padding(text, (0, 0, 0, left))
+
+
+def _grid(rows: list[tuple[str, Any]], *, indent: int = 2) -> Any:
+    """Label/value lines; a long value wraps under itself, not under its label."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, value if isinstance(value, Text) else Text(str(value)))
+    return _indented(grid, indent)
+
+
+_BRIEF_LABEL_WIDTH = len("earliest non-finite stage")
+
+
+def _fact_line(label: str, value: str) -> Any:
+    from rich.text import Text
+
+    return Text.assemble((f"  {label:<{_BRIEF_LABEL_WIDTH}}  ", "dim"), value)
+
+
+def _print_unwrapped(console: Any, lines: list[Any]) -> None:
+    """One printed line each, never wrapped: ``--brief`` promises a line count."""
+    for line in lines:
+        console.print(line)  # the console soft-wraps: a line stays one line
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _verdict_facts(report: Report) -> list[tuple[str, str]]:
+    decision = report.decision
+    manifest = report.manifest
+    stage = decision.earliest_nonfinite_stage
+    facts = [("earliest non-finite stage", stage or "none: every captured element is finite")]
+    if stage is not None:
+        facts.append(("first non-finite tensor", _first_tensor(report)))
+    return [
+        *facts,
+        ("action", decision.action),
+        ("root cause claim", decision.root_cause_claim),
+        ("bundle", report.bundle),
+        ("run", f"{manifest.run_id} step {manifest.step}"),
+        ("incident owner", manifest.incident_owner),
+        ("evidence", manifest.evidence_id),
+        ("evidence content id", _shorten_digests(manifest.evidence_content_id)),
+        ("contract", f"{report.contract_version} {_shorten_digests(report.contract_content_id)}"),
+    ]
+
+
+def _print_verdict(console: Any, report: Report) -> None:
+    from rich.text import Text
+
+    decision = report.decision.decision
+    style = "bold red" if decision == HOLD else "bold green"
+    _show(console, Text.assemble(("nanrunbook check: ", "bold"), (decision, style)))
+    _show(console, _grid(list(_verdict_facts(report))))
+    _show(console)
+
+
+def _brief_lines(report: Report) -> list[Any]:
+    """Verdict, earliest stage, first tensor, action, warnings, bundle: six lines."""
+    from rich.text import Text
+
+    decision = report.decision
+    style = "bold red" if decision.decision == HOLD else "bold green"
+    lines = [
+        Text.assemble(("nanrunbook check: ", "bold"), (decision.decision, style)),
+        _fact_line("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
+        _fact_line("first non-finite tensor", _first_tensor(report)),
+        _fact_line("action", decision.action),
+        _fact_line("warnings", _warnings_count(report)),
+        _fact_line("bundle", report.bundle),
+    ]
+    return lines
+
+
+def _warnings_count(report: Report) -> str:
+    """``2 (AT_DTYPE_MAX, NEAR_DTYPE_MAX)``: how many, and which codes."""
+    codes = ", ".join(dict.fromkeys(w.code for w in report.warnings))
+    return f"{len(report.warnings)} ({codes})" if codes else "0"
+
+
+def _brief_violations(error: EvidenceRejected) -> list[Any]:
+    """Up to four lines of codes and paths; the messages are in the full report."""
+    from rich.text import Text
+
+    violations = error.violations
+    shown = violations if len(violations) <= 4 else violations[:3]
+    lines = [Text.assemble(("  " + v.code, "yellow"), f" {v.where}") for v in shown]
+    if len(shown) < len(violations):
+        lines.append(Text(f"  ... {len(violations) - len(shown)} more (without --brief)"))
+    return lines
 
 
 def _first_tensor(report: Report) -> str:
@@ -282,18 +371,87 @@ def _first_tensor(report: Report) -> str:
     if decision.earliest_nonfinite_stage is None:
         return "none"
     if decision.first_nonfinite_tensor is None:
-        return "unknown (summary stage has no per-tensor counts)"
+        return "unknown (a summary stage has no per-tensor counts)"
     return decision.first_nonfinite_tensor
 
 
-def _scaler_line(report: Report) -> str:
+def _stage_dtypes(stage: StageFinding) -> str:
+    """The stage's dtypes in capture order, each once (``F32,I64``); NOT_RUN when
+    the stage did not run, as it then has no tensors."""
+    return ",".join(dict.fromkeys(t.dtype for t in stage.record.tensors)) or stage.status
+
+
+def _stage_table(report: Report) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
+    # On a narrow console words wrap; a number is never broken across lines (a
+    # folded "160" would read as 16 and 0), it is cut with an ellipsis instead.
+    for column in ("stage", "dtype"):
+        table.add_column(column, overflow="fold")
+    for column in _NUMERIC:
+        table.add_column(column, justify="right", no_wrap=True, overflow="ellipsis")
+    for stage in report.stages:
+        counts = stage.counts
+        numbers = (
+            (counts.elements, counts.nan, counts.posinf, counts.neginf)
+            if counts is not None
+            else ("-",) * 4
+        )
+        magnitude = report.reported_magnitude(stage, stage.finite_max_abs)
+        cells = [
+            stage.stage,
+            _stage_dtypes(stage),
+            *(str(n) for n in numbers),
+            "-" if magnitude is None else number(magnitude),
+        ]
+        style = "red" if counts is not None and counts.nonfinite else ""
+        table.add_row(*(Text(c) for c in cells), style=style)
+    return table
+
+
+def _stage_notes(report: Report) -> list[tuple[str, str]]:
+    """What the table cannot say: counts not recounted, scaled magnitudes, why a
+    stage did not run, the loss scale and the recovery point."""
+    notes = [
+        ("declared", f"{stage.stage}: counts of a summary, not recounted")
+        for stage in report.stages
+        if stage.counts_source == "declared"
+    ]
+    notes += [
+        (stage.stage, f"gradients stored scaled: max abs divided by {report.scaler.scale:g}")
+        for stage in report.stages
+        if stage.record.gradients == "scaled" and stage.status == "OBSERVED"
+    ]
+    # Stages after the first that did not run usually share one reason: say it once.
+    not_run: dict[str, list[str]] = {}
+    for stage in report.stages:
+        if stage.status == "NOT_RUN":
+            not_run.setdefault(stage.record.reason or "", []).append(stage.stage)
+    notes += [("not run", f"{', '.join(names)}: {reason}") for reason, names in not_run.items()]
+    lkg = report.manifest.last_known_good
+    notes.append(("loss scale", _scaler_text(report)))
+    # The contract accepts a recovery point only when all five parts were verified together.
+    recovery = f"{lkg.checkpoint_id} at step {lkg.step}, all five parts verified together"
+    notes.append(("last known-good", recovery))
+    return notes
+
+
+def _print_stages(console: Any, report: Report) -> None:
+    _show(console, _stage_table(report))
+    _show(console, _grid(_stage_notes(report)))
+    _show(console)
+
+
+def _scaler_text(report: Report) -> str:
     scaler = report.scaler
     if scaler.mode == "none":
-        return "loss scale: none (scale 1)"
+        return "none (scale 1)"
     if scaler.mode == "static":
-        return f"loss scale: static, scale {scaler.scale:g}"
+        return f"static, scale {scaler.scale:g}"
     line = (
-        f"loss scale: dynamic, scale {scaler.scale:g} -> {scaler.scale_after:g}, "
+        f"dynamic, scale {scaler.scale:g} -> {scaler.scale_after:g}, "
         f"found_inf {str(scaler.found_inf).lower()}"
     )
     if scaler.step_skipped:
@@ -301,18 +459,130 @@ def _scaler_line(report: Report) -> str:
     return line
 
 
-def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) -> list[str]:
+    """Counts, then on a line of their own the finite extremes (as reported: scaled
+    gradients divided by the scale) when the tensor's data was read."""
+    if tensor.counts is None:  # a summary: the header says why there are no counts
+        return [""]
+    counts = counts_phrase(tensor.counts)
+    extremes = tensor.extremes
+    if extremes is None or extremes.min is None or extremes.max is None:
+        magnitude = report.reported_magnitude(stage, tensor.finite_max_abs)
+        return [counts if magnitude is None else f"{counts}, max abs {number(magnitude)}"]
+
+    def shown(value: float) -> str:
+        reported = report.reported_magnitude(stage, value)
+        assert reported is not None
+        return number(reported)
+
+    line = f"finite {shown(extremes.min)}..{shown(extremes.max)}"
+    if extremes.min_nonzero_abs is not None:
+        line += f"; smallest non-zero |x| {shown(extremes.min_nonzero_abs)}"
+    zeros = "zero" if extremes.zeros == 1 else "zeros"
+    subnormals = "subnormal" if extremes.subnormals == 1 else "subnormals"
+    line += f"; {extremes.zeros} {zeros}, {extremes.subnormals} {subnormals}"
+    return [counts, line]
+
+
+def _earliest_tensors(report: Report, stage: StageFinding) -> Any:
+    """The stage's tensors, non-finite ones first (the first non-finite leads), capped."""
+    from rich.console import Group
+    from rich.table import Table
     from rich.text import Text
 
-    console.print(Text(heading, style="bold underline"))
-    number = 0
+    ordered = sorted(stage.tensors, key=lambda t: not (t.counts is not None and t.counts.nonfinite))
+    grid = Table.grid(padding=(0, 2))
+    for column in ("tensor", "dtype", "shape"):
+        grid.add_column(overflow="fold", no_wrap=column != "tensor")
+    grid.add_column(overflow="fold")
+    for tensor in ordered[:_TENSORS_SHOWN]:
+        entry = tensor.entry
+        first, *more = _tensor_facts(report, stage, tensor)
+        grid.add_row(Text(entry.name), entry.dtype, shape_text(entry.shape), first)
+        for line in more:
+            grid.add_row("", "", "", line)
+    hidden = len(ordered) - _TENSORS_SHOWN
+    if hidden <= 0:
+        return _indented(grid, 2)
+    rest = Text(f"... {hidden} more (all in --format json)")
+    return _indented(Group(grid, rest), 2)
+
+
+def _print_earliest_stage(console: Any, report: Report) -> None:
+    from rich.text import Text
+
+    name = report.decision.earliest_nonfinite_stage
+    assert name is not None
+    stage = next(s for s in report.stages if s.stage == name)
+    record = stage.record
+    _show(console, Text(f"Earliest non-finite stage: {name}", style="bold"))
+    _show(
+        console,
+        _grid(
+            [
+                ("owner", f"{record.owner}, telemetry {record.telemetry_id}"),
+                ("probe source", record.probe_source),
+            ]
+        ),
+    )
+    _show(console, _earliest_tensors(report, stage))
+    _show(console)
+
+
+_WARNINGS_SHOWN = 6  # warnings listed before "N more"
+
+
+def _print_warnings(console: Any, report: Report) -> None:
+    """The early warnings, upstream stages first (their order in the report)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    warnings = report.warnings
+    if not warnings:
+        _show(console, Text.assemble(("Warnings", "bold"), ": none"))
+        _show(console)
+        return
+    _show(console, Text(f"Warnings ({len(warnings)}, upstream first)", style="bold"))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="yellow")
+    grid.add_column(overflow="fold")
+    for warning in warnings[:_WARNINGS_SHOWN]:
+        where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
+        grid.add_row(warning.code, where)
+    hidden = len(warnings) - _WARNINGS_SHOWN
+    rest = [Text(f"... {hidden} more (all in --format json)")] if hidden > 0 else []
+    _show(console, _indented(Group(grid, *rest), 2))
+    _show(console)
+
+
+def _print_probes(console: Any, report: Report) -> None:
+    """On CONTINUE no stage is singled out: what was checked is where each boundary
+    was probed."""
+    from rich.text import Text
+
+    _show(console, Text("Probes", style="bold"))
+    _show(console, _grid([(s.stage, s.record.probe_source) for s in report.stages]))
+    _show(console)
+
+
+def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    _show(console, Text(heading, style="bold underline"))
+    count = 0
+    digits = len(str(sum(len(section.steps) for section in sections)))
     for section in sections:
-        console.print(Text(section.title, style="bold"))
+        _show(console, Text(section.title, style="bold"))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", no_wrap=True, min_width=digits + 1)
+        grid.add_column(overflow="fold")
         for step in section.steps:
-            number += 1
-            console.print(
-                Text.assemble(f"  {number:>2}. ", (step.title, "bold"), f": {step.detail}")
-            )
+            count += 1
+            detail = _shorten_digests(step.detail)
+            grid.add_row(f"{count}.", Text.assemble((step.title, "bold"), f": {detail}"))
+        _show(console, _indented(grid, 1))
 
 
 _DIFF_STYLE = {

@@ -25,6 +25,7 @@ from nanrunbook.records import (
     TensorFinding,
     TensorHeadroom,
 )
+from nanrunbook.verdict.evidence import reported_magnitude
 from nanrunbook.verdict.precision import headroom
 from nanrunbook.verdict.runbook import Section
 
@@ -53,15 +54,21 @@ class Report:
     def exit_code(self) -> int:
         return Exit.HOLD if self.decision.decision == HOLD else Exit.CONTINUE
 
+    def exit_code_for(self, *, fail_on_warnings: bool = False) -> int:
+        """The process's exit code: the verdict's, except that a CONTINUE with
+        warnings is WARNINGS (5) when the caller asked to fail on them. A HOLD
+        stays HOLD: 5 never hides one."""
+        if fail_on_warnings and self.exit_code == Exit.CONTINUE and self.warnings:
+            return Exit.WARNINGS
+        return self.exit_code
+
     @property
     def scaler(self) -> Scaler:
         return self.manifest.binding.scaler
 
     def reported_magnitude(self, stage: StageFinding, stored: float | None) -> float | None:
         """A stored magnitude as reported: scaled gradients are divided by the scale."""
-        if stored is None or stage.record.gradients != "scaled":
-            return stored
-        return stored / self.scaler.scale
+        return reported_magnitude(stage, stored, self.scaler)
 
 
 def _counts(counts: Counts | None) -> dict[str, int] | None:
