@@ -96,3 +96,9 @@ completions: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# `make bench-watch`: `nanrunbook watch` on a generated 1,000,000-line telemetry file
+# (cached in .bench-cache/) against a bare orjson.loads loop and `wc -l`, with peak RSS.
+.PHONY: bench-watch
+bench-watch: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_watch.py $(BENCH_ARGS)

@@ -23,5 +23,10 @@ WARNING_CODES = MappingProxyType(
             "a share of zero or subnormal F16/BF16 gradients above the threshold,"
             " or all-zero gradients under a loss scale"
         ),
+        # Derived by `nanrunbook watch` from the telemetry's gradient headroom.
+        "HEADROOM_FALLING": (
+            "the trend of gradient headroom over the last window reaches the dtype's max"
+            " within a window's steps"
+        ),
     }
 )

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import nanrunbook
 import nanrunbook.capture
+import nanrunbook.telemetry
 from nanrunbook import EvidenceRejected, check_bundle, report_document
 from nanrunbook._version import __version__
 from nanrunbook.cli import app
@@ -522,6 +523,7 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
+    public |= {f"nanrunbook.telemetry.{name}" for name in nanrunbook.telemetry.__all__}
     # capture.torch and capture.mechanisms need torch to import; read their
     # __all__ from the source instead.
     for module in ("torch", "mechanisms"):
