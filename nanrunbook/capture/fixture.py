@@ -1,0 +1,563 @@
+"""A shrink kept as a regression fixture: the operation, its exact inputs, a test.
+
+:func:`write_fixture` replays the shrunk examples once more, capturing the
+first bad operation's state, inputs (exact bits), autocast and RNG state, and
+writes atomically a directory::
+
+    fixture.json          what it is: the operation, stage, precision, loss
+                          scale, reduction, optimizer, examples, digests
+    program.pt2           the operation as a torch.export program with its weights
+    module.pt             the module by class path (pickled) for the current-code test
+    weights.safetensors   that module's state, raw bits
+    inputs.safetensors    the operation's exact inputs (and incoming gradients)
+    bundle/               the shrunk step's evidence bundle: check says HOLD
+    README.md             how to run it, and the one line to flip once fixed
+    test_<name>.py        the generated pytest file
+
+Needs torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import math
+import re
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from nanrunbook._version import __version__
+from nanrunbook.capture.atomic import atomic_directory, write_synced
+from nanrunbook.capture.findings import OpKey, Shrink
+from nanrunbook.capture.fixture_template import TEST_SOURCE
+from nanrunbook.capture.locate import (
+    Captured,
+    FailingStep,
+    FunctionProbe,
+    ModuleProbe,
+    replay,
+    select_examples,
+)
+from nanrunbook.capture.torch import tensor_to_raw
+from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
+
+__all__ = ["FIXTURE_FORMAT", "FixtureError", "write_fixture"]
+
+FIXTURE_FORMAT = "nanrunbook-shrink-fixture/1"
+INPUTS_FILE = "inputs.safetensors"
+FROZEN_FILE = "program.pt2"
+MODULE_FILE = "module.pt"
+WEIGHTS_FILE = "weights.safetensors"
+BUNDLE_DIR = "bundle"
+
+
+class FixtureError(ValueError):
+    """The fixture cannot be written: the message says why, in one line."""
+
+
+# ------------------------------------------------------------------ capture
+
+
+def _capture(step: FailingStep, result: Shrink) -> tuple[Captured, Captured | None]:
+    """One replay of the shrunk examples: the operation's call and, for a
+    function inside a module, that module's call (the current-code program)."""
+    key = result.operation.key
+    size = len(result.examples)
+    passing_on = result.operation.stage == "input"
+    probes: list[Any] = []
+
+    def attach(model: Any) -> list[Any]:
+        if key.kind == "module":
+            probes.append(
+                ModuleProbe(model, batch_size=size, target=key, passing_on=passing_on,
+                            capture=True, backward=key.backward)
+            )  # fmt: skip
+            return probes
+        probes.append(
+            FunctionProbe(model, batch_size=size, within=(key.path, key.call), target=key,
+                          passing_on=passing_on, capture=True, backward=key.backward)
+        )  # fmt: skip
+        if key.call:
+            enclosing = OpKey("module", key.path, key.call)
+            probes.append(
+                ModuleProbe(model, batch_size=size, target=enclosing, capture=True,
+                            backward=key.backward, stop=False)
+            )  # fmt: skip
+        return probes
+
+    replay(step, result.examples, attach, backward=key.backward)
+    if not probes[0].reproduced:
+        raise FixtureError(
+            f"{result.operation.describe()} did not go non-finite again on examples "
+            f"{list(result.examples)}: the replay is not deterministic here"
+        )
+    if key.kind == "module":
+        op = probes[0].captured_call()
+        module = None
+    else:
+        op = probes[0].captured
+        module = probes[1].captured_call(key.call) if key.call else None
+    if op is None:
+        raise FixtureError(f"{result.operation.describe()} ran but was not captured")
+    return op, module
+
+
+# ------------------------------------------------------------------ arguments
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where a tensor goes back into an argument structure."""
+
+    index: int
+
+
+def _structure(value: Any, tensors: list[Any]) -> Any:
+    """``value`` with each tensor replaced by a _Slot (tensors appended, in order)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, Mapping):
+        return {k: _structure(v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_structure(v, tensors) for v in value)
+    return value
+
+
+def _fill(structure: Any, tensors: tuple[Any, ...]) -> Any:
+    if isinstance(structure, _Slot):
+        return tensors[structure.index]
+    if isinstance(structure, Mapping):
+        return {k: _fill(v, tensors) for k, v in structure.items()}
+    if isinstance(structure, list | tuple):
+        return type(structure)(_fill(v, tensors) for v in structure)
+    return structure
+
+
+def _spec(structure: Any, names: list[str], grads: list[bool]) -> Any:
+    """An argument structure as fixture.json holds it (see the generated test's build)."""
+    if isinstance(structure, _Slot):
+        return {"tensor": {"name": names[structure.index], "requires_grad": grads[structure.index]}}
+    if isinstance(structure, Mapping):
+        if not all(isinstance(k, str) for k in structure):
+            raise FixtureError("a dict argument with non-string keys cannot be pinned")
+        return {"dict": [[k, _spec(v, names, grads)] for k, v in structure.items()]}
+    if isinstance(structure, list | tuple):
+        kind = "list" if isinstance(structure, list) else "tuple"
+        return {kind: [_spec(v, names, grads) for v in structure]}
+    if isinstance(structure, float) and not math.isfinite(structure):
+        return {"float": repr(structure)}
+    if structure is None or isinstance(structure, bool | int | float | str):
+        return {"value": structure}
+    if isinstance(structure, torch.dtype):
+        return {"dtype": str(structure).removeprefix("torch.")}
+    if isinstance(structure, torch.device):
+        return {"device": str(structure)}
+    if isinstance(structure, slice):
+        return {"slice": [structure.start, structure.stop, structure.step]}
+    if structure is Ellipsis:
+        return {"ellipsis": None}
+    raise FixtureError(f"an argument of type {type(structure).__name__} cannot be pinned")
+
+
+class _Tensors:
+    """The tensors of inputs.safetensors, named (or numbered, with drop_names)."""
+
+    def __init__(self, drop_names: bool) -> None:
+        self.drop_names = drop_names
+        self.raw: dict[str, RawTensor] = {}
+
+    def add(self, name: str, tensor: Any) -> str:
+        if self.drop_names:
+            name = f"t{len(self.raw)}"
+        self.raw[name] = tensor_to_raw(tensor)
+        return name
+
+    def digests(self) -> dict[str, str]:
+        return {name: hashlib.sha256(raw.data).hexdigest() for name, raw in self.raw.items()}
+
+
+def _call_document(label: str, call: Captured, store: _Tensors) -> tuple[dict[str, Any], Any]:
+    """One call's inputs into ``store``; returns its fixture.json entry and its
+    argument structure (for export)."""
+    leaves: list[Any] = []
+    structure = _structure((call.args, call.kwargs), leaves)
+    names = [store.add(f"{label}/input/{i}", t) for i, t in enumerate(leaves)]
+    grads = list(call.requires_grad) + [False] * (len(leaves) - len(call.requires_grad))
+    args, kwargs = structure
+    entry: dict[str, Any] = {
+        "args": _spec(args, names, grads),
+        "kwargs": _spec(kwargs, names, grads),
+        "rng_state": store.add(f"{label}/rng_state", call.rng_state),
+        "autocast": None
+        if call.autocast is None
+        else {"device_type": call.autocast[0], "dtype": call.autocast[1]},
+    }
+    if call.grad_output is not None:
+        given = (
+            call.grad_output if isinstance(call.grad_output, tuple | list) else (call.grad_output,)
+        )
+        entry["grad_output"] = [
+            None if g is None else store.add(f"{label}/grad_output/{i}", g)
+            for i, g in enumerate(given)
+        ]
+    return entry, structure
+
+
+# ------------------------------------------------------------------ programs
+
+
+class _Call(torch.nn.Module):
+    """The operation as a module of its flat input tensors, for torch.export."""
+
+    def __init__(self, target: Any, structure: Any) -> None:
+        super().__init__()
+        if isinstance(target, torch.nn.Module):
+            self.target = target
+        else:
+            self.function = target
+        self.structure = structure
+
+    def forward(self, *tensors: Any) -> Any:
+        args, kwargs = _fill(self.structure, tensors)
+        call = self.target if hasattr(self, "target") else self.function
+        return call(*args, **kwargs)
+
+
+def _autocast(call: Captured) -> AbstractContextManager[Any]:
+    if call.autocast is None:
+        return nullcontext()
+    device, dtype = call.autocast
+    return torch.autocast(device, dtype=getattr(torch, dtype))
+
+
+def _module(step: FailingStep, call: Captured) -> Any:
+    """The module of ``call``, copied from the caller's model (without the probes'
+    hooks) and loaded with the state it had when the call ran."""
+    module = copy.deepcopy(step.model.get_submodule(call.key.path))
+    module.load_state_dict(call.state or {})
+    return module
+
+
+def _export(path: Path, target: Any, call: Captured, structure: Any) -> str | None:
+    """Save the operation as a torch.export program; None, or the reason it failed."""
+    leaves: list[Any] = []
+    _structure((call.args, call.kwargs), leaves)
+    inputs = tuple(t.detach() for t in leaves)
+    try:
+        with _autocast(call):
+            program = torch.export.export(_Call(target, structure), inputs)
+        torch.export.save(program, path)
+    except Exception as error:  # export raises many types; any of them means "fall back"
+        path.unlink(missing_ok=True)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        return f"torch.export could not trace it ({type(error).__name__}: {first})"
+    return None
+
+
+def _importable(cls: type) -> str | None:
+    """None when ``cls`` can be imported by its path in another process, else why not."""
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return f"class {where} cannot be imported by another process: move it to a module"
+    try:
+        found: Any = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return f"class {where} cannot be imported"
+    return None if found is cls else f"{where} names another object"
+
+
+def _current(temp: Path, module: Any, label: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The module pickled by class path with its state beside it in raw bits, for
+    the test that runs the code as it is now."""
+    reason = _importable(type(module))
+    if reason is not None:
+        return None, reason
+    try:
+        torch.save(module, temp / MODULE_FILE)
+    except Exception as error:  # pickling user objects can fail in many ways
+        (temp / MODULE_FILE).unlink(missing_ok=True)
+        return None, f"the module cannot be pickled ({type(error).__name__}: {error})"
+    state = {name: tensor_to_raw(t) for name, t in module.state_dict().items()}
+    write_synced(temp / WEIGHTS_FILE, safetensors_chunks(list(state.items())))
+    cls = type(module)
+    return {
+        "file": MODULE_FILE,
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "weights": WEIGHTS_FILE,
+        "state_sha256": {n: hashlib.sha256(r.data).hexdigest() for n, r in state.items()},
+        "call": label,
+    }, None
+
+
+def _programs(
+    temp: Path,
+    step: FailingStep,
+    op: Captured,
+    enclosing: Captured | None,
+    structure: Any,
+) -> dict[str, Any]:
+    frozen_target = _module(step, op) if op.key.kind == "module" else op.function
+    frozen_note = _export(temp / FROZEN_FILE, frozen_target, op, structure)
+    if op.key.kind == "module":
+        current, current_note = _current(temp, _module(step, op), "op")
+    elif enclosing is not None:
+        current, current_note = _current(temp, _module(step, enclosing), "module")
+    else:
+        current, current_note = (
+            None,
+            (
+                "the operation is code outside every module (compute_loss): the fix lives there;"
+                " shrink again after fixing it"
+            ),
+        )
+    return {
+        "frozen": None if frozen_note else FROZEN_FILE,
+        "frozen_note": frozen_note,
+        "current": current,
+        "current_note": current_note,
+    }
+
+
+# ------------------------------------------------------------------ facts
+
+
+def _bundle(path: Path, step: FailingStep, result: Shrink, identity: Mapping[str, Any]) -> Any:
+    """The shrunk step's bundle, by replay_step, and the check's answer on it."""
+    from nanrunbook.capture.torch import replay_step
+    from nanrunbook.check import check_bundle
+
+    arguments = {k: v for k, v in identity.items() if k not in ("target", "overwrite")}
+    if step.select is not None:
+        batch = step.select(step.batch, result.examples)
+    else:
+        batch = select_examples(step.batch, result.examples, result.batch_size)
+    replay_step(
+        step.model,
+        step.optimizer,
+        batch,
+        step.compute_loss,
+        scaler=step.scaler,
+        rng_state=step.rng_state,
+        target=path,
+        **arguments,
+    )
+    return check_bundle(path).decision
+
+
+def _json_safe(value: Any) -> Any:
+    """Optimizer hyperparameters as JSON: numbers, strings, booleans and lists of them."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _json_safe(value.item())
+    return repr(value)
+
+
+def _loop_facts(
+    step: FailingStep, identity: Mapping[str, Any], given: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The precision, loss-scale, reduction and optimizer facts the runbook names;
+    ``given`` adds what only the loop knows (clipping, accumulation, order)."""
+    scaler = step.scaler
+    if scaler is not None and scaler.is_enabled():
+        scale: dict[str, Any] = {
+            "mode": "dynamic",
+            "scale": scaler.get_scale(),
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval(),
+        }
+    elif step.loss_scale is not None:
+        scale = {"mode": "static", "scale": step.loss_scale}
+    else:
+        scale = {"mode": "none", "scale": 1}
+    objective = dict(identity.get("binding", {}).get("objective", {}))
+    optimizer = step.optimizer
+    groups = [
+        {k: _json_safe(v) for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in step.model.parameters()})
+    return {
+        "param_dtypes": dtypes,
+        "loss_scale": scale,
+        "reduction": objective.get("reduction"),
+        "optimizer": {"class": type(optimizer).__qualname__, "param_groups": groups},
+        "loop": {str(k): _json_safe(v) for k, v in given.items()},
+    }
+
+
+def _operation_document(result: Shrink) -> dict[str, Any]:
+    op = result.operation
+    key = op.key
+    return {
+        "describe": op.describe(),
+        "stage": op.stage,
+        "kind": key.kind,
+        "path": key.path,
+        "call": key.call,
+        "function": key.function,
+        "occurrence": key.occurrence,
+        "backward": key.backward,
+        "type": op.type_name,
+        "made_here": op.made_here,
+        "autocast": op.autocast,
+    }
+
+
+def _test_name(result: Shrink, identity: Mapping[str, Any]) -> str:
+    run = f"{identity.get('run_id', 'run')}_step{identity.get('step', '')}"
+    what = result.operation.key.function or result.operation.key.path or "root"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{run}_{what}").strip("_").lower()
+    return f"test_nonfinite_{slug[:60]}.py"
+
+
+_README = """\
+# Non-finite operation fixture: {describe}
+
+Written by `nanrunbook` {version} (shrink) from run `{run}`, step {step}.
+
+- stage: **{stage}** (`nanrunbook check bundle/` answers HOLD there)
+- operation: {describe}{made}
+- precision: {autocast}; loss scale: {scale}; reduction: {reduction}
+- smallest batch: {count} of {size} examples {examples} ({replays} replays)
+{interaction}{notes}
+## Run it
+
+    pytest {directory}/
+
+Today it **reproduces**: every test passes because the operation still goes
+non-finite on its pinned inputs (their digests are verified first).
+
+Once the fix is in, `test_current_code` fails ("the current code gives finite
+values"): flip the one line `FIXED = False` to `FIXED = True` in
+`{test}` and it passes: **fixed**. `test_frozen_program_reproduces` keeps
+reproducing the incident as it was (`program.pt2`, a torch.export program).
+
+## Files
+
+| file | what |
+|---|---|
+| `fixture.json` | the facts above, input and file digests |
+| `inputs.safetensors` | the operation's exact inputs, raw bits (bf16/fp8 kept) |
+| `program.pt2` | the operation and its weights, frozen by torch.export |
+| `module.pt`, `weights.safetensors` | the module by class path, and its state |
+| `bundle/` | the shrunk step's evidence bundle |
+| `{test}` | the test |
+"""
+
+
+def _readme(document: dict[str, Any], test: str, directory: str) -> str:
+    op, shrunk, facts = document["operation"], document["shrink"], document["facts"]
+    notes = "".join(f"- note: {n}\n" for n in document["notes"])
+    interaction = f"- interaction: {shrunk['interaction']}\n" if shrunk["interaction"] else ""
+    return _README.format(
+        describe=op["describe"],
+        version=__version__,
+        run=document["run"]["run_id"],
+        step=document["run"]["step"],
+        stage=op["stage"],
+        made="" if op["made_here"] else " (it passed on a non-finite input)",
+        autocast=f"autocast {op['autocast']}" if op["autocast"] else "no autocast",
+        scale=facts["loss_scale"]["mode"],
+        reduction=facts["reduction"] or "unknown",
+        count=len(shrunk["examples"]),
+        size=shrunk["batch_size"],
+        examples=shrunk["examples"],
+        replays=shrunk["replays"],
+        interaction=interaction,
+        notes=notes,
+        test=test,
+        directory=directory,
+    )
+
+
+# ------------------------------------------------------------------ the call
+
+
+def write_fixture(
+    target: str | Path,
+    step: FailingStep,
+    result: Shrink,
+    *,
+    bundle: Mapping[str, Any],
+    drop_names: bool = False,
+    facts: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the fixture of a shrink to ``target``, atomically, and return it.
+
+    ``bundle`` gives :func:`~nanrunbook.capture.torch.replay_step`'s identity
+    arguments (run_id, step, incident_owner, last_known_good, binding, and
+    optionally owners) for the shrunk step's bundle. ``drop_names`` stores the
+    input tensors as ``t0``, ``t1``... instead of descriptive names. ``facts``
+    adds what only the loop knows (gradient clipping, accumulation). Raises
+    FixtureError when the operation cannot be captured or pinned, and
+    FileExistsError when ``target`` exists and ``overwrite`` is false.
+    """
+    target = Path(target)
+    op, enclosing = _capture(step, result)
+    store = _Tensors(drop_names)
+    calls = {}
+    calls["op"], structure = _call_document("op", op, store)
+    if enclosing is not None:
+        calls["module"], _ = _call_document("module", enclosing, store)
+    test = _test_name(result, bundle)
+    with atomic_directory(target, overwrite=overwrite) as temp:
+        programs = _programs(temp, step, op, enclosing, structure)
+        write_synced(temp / INPUTS_FILE, safetensors_chunks(list(store.raw.items())))
+        decision = _bundle(temp / BUNDLE_DIR, step, result, bundle)
+        notes = list(result.notes) + [n for n in (programs["frozen_note"],) if n]
+        if programs["current_note"]:
+            notes.append(programs["current_note"])
+        if (decision.decision, decision.earliest_nonfinite_stage) != (
+            "HOLD",
+            result.operation.stage,
+        ):
+            notes.append(
+                f"the shrunk step's bundle answers {decision.decision} at"
+                f" {decision.earliest_nonfinite_stage}, not HOLD at {result.operation.stage}"
+            )
+        files = {
+            name: hashlib.sha256((temp / name).read_bytes()).hexdigest()
+            for name in (FROZEN_FILE, MODULE_FILE, WEIGHTS_FILE)
+            if (temp / name).exists()
+        }
+        document = {
+            "format": FIXTURE_FORMAT,
+            "written_by": f"nanrunbook {__version__}",
+            "run": {"run_id": bundle.get("run_id"), "step": bundle.get("step")},
+            "operation": _operation_document(result),
+            "shrink": result.document(),
+            "facts": _loop_facts(step, bundle, facts or {}),
+            "program": programs,
+            "inputs": {"file": INPUTS_FILE, "sha256": store.digests(), **calls},
+            "files": files,
+            "bundle": {
+                "path": BUNDLE_DIR,
+                "decision": decision.decision,
+                "stage": decision.earliest_nonfinite_stage,
+            },
+            "notes": notes,
+        }
+        text = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        write_synced(temp / "fixture.json", [text])
+        write_synced(temp / "README.md", [_readme(document, test, target.name).encode()])
+        source = TEST_SOURCE.replace("__DESCRIPTION__", result.operation.describe())
+        source = source.replace("__DIRECTORY__", target.name)
+        write_synced(temp / test, [source.encode()])
+    return target

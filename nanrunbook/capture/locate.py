@@ -1,0 +1,735 @@
+"""Where a replayed step first goes non-finite: probes attached to a model copy.
+
+Two probes, each in one of three roles: a *survey* finds the first operation
+that makes a non-finite value from finite inputs; a *watch* follows one known
+operation through a replay of a smaller batch (did it still go non-finite, and
+in which rows); a *capture* keeps what the fixture needs of it (its state,
+exact inputs, autocast and incoming gradients).
+
+* :class:`ModuleProbe` hooks every module: forward (pre and post), full
+  backward (pre and post) and the module's own parameters' gradients.
+* :class:`FunctionProbe` is a ``TorchFunctionMode``: every torch function the
+  code calls directly (not the ones inside it), and the autograd nodes they
+  create, so a NaN made by functional code between modules, or by the loss, is
+  located at its function.
+
+Needs torch; imported only by the shrink.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nanrunbook.capture.findings import OpKey, TensorFacts
+from nanrunbook.capture.torch import _clone, _flatten
+
+__all__ = [
+    "Captured",
+    "Found",
+    "FunctionProbe",
+    "ModuleProbe",
+    "Stop",
+    "all_finite",
+    "autocast_state",
+    "facts",
+    "nonfinite_rows",
+]
+
+
+class Stop(BaseException):
+    """Raised from a hook once the watched operation has run: the rest of the
+    replay cannot change the answer. A BaseException, so that a loss function's
+    ``except Exception`` does not swallow it."""
+
+
+# --------------------------------------------------------------------- tensors
+
+
+def _as_checkable(tensor: Any) -> Any:
+    """A tensor whose dtype torch's isfinite/isnan support (fp8 widened exactly)."""
+    t = tensor.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj()).float()
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.float()
+    return t
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Tensors and Python floats of a nested value, in order."""
+    if isinstance(value, torch.Tensor | float):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+
+
+def all_finite(value: Any) -> bool:
+    """True when every floating element (and Python float) of ``value`` is finite."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, float):
+            if not math.isfinite(leaf):
+                return False
+        elif (
+            _floating(leaf) and leaf.numel() and not bool(torch.isfinite(_as_checkable(leaf)).all())
+        ):
+            return False
+    return True
+
+
+def nonfinite_rows(value: Any, size: int) -> frozenset[int] | None:
+    """Indices along dimension 0 holding a non-finite element, over the floating
+    tensors of ``value`` whose first dimension is ``size``; None when none has it."""
+    rows: set[int] | None = None
+    for _, tensor in _flatten(value, ""):
+        if not _floating(tensor) or tensor.dim() == 0 or tensor.shape[0] != size:
+            continue
+        bad = ~torch.isfinite(_as_checkable(tensor)).reshape(size, -1).all(dim=1)
+        rows = (rows or set()) | {int(i) for i in torch.nonzero(bad).flatten().tolist()}
+    return None if rows is None else frozenset(rows)
+
+
+def facts(name: str, tensor: Any) -> TensorFacts:
+    """Counts by kind and finite extremes of one tensor (non-floating: all finite)."""
+    shape = tuple(int(d) for d in tensor.shape)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    n = tensor.numel()
+    if not _floating(tensor) or n == 0:
+        values = tensor.detach().double() if n and not tensor.is_complex() else None
+        low = float(values.min()) if values is not None else None
+        high = float(values.max()) if values is not None else None
+        top = float(values.abs().max()) if values is not None else None
+        return TensorFacts(name, dtype, shape, n, 0, 0, 0, low, high, top)
+    t = _as_checkable(tensor).double()
+    nan, pos, neg = int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum())
+    finite = t[torch.isfinite(t)]
+    if finite.numel() == 0:
+        return TensorFacts(name, dtype, shape, n, nan, pos, neg, None, None, None)
+    return TensorFacts(
+        name,
+        dtype,
+        shape,
+        n,
+        nan,
+        pos,
+        neg,
+        float(finite.min()),
+        float(finite.max()),
+        float(finite.abs().max()),
+    )
+
+
+def _named_facts(prefix: str, value: Any) -> tuple[TensorFacts, ...]:
+    return tuple(
+        facts(f"{prefix}/{name}" if name else prefix, t) for name, t in _flatten(value, "")
+    )
+
+
+def _inputs_facts(inputs: tuple[Any, Any]) -> tuple[TensorFacts, ...]:
+    args, kwargs = inputs
+    return _named_facts("args", args) + _named_facts("kwargs", kwargs)
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or")
+) | {"__ixor__", "__ilshift__", "__irshift__"}
+
+
+def _in_place(name: str) -> bool:
+    last = name.rpartition(".")[2]
+    return (last.endswith("_") and not last.endswith("__")) or last in _IN_PLACE_OPERATORS
+
+
+def autocast_state(value: Any) -> tuple[str, str] | None:
+    """(device type, dtype) of the autocast in force for the tensors of ``value``."""
+    devices = [t.device.type for _, t in _flatten(value, "")] or ["cpu"]
+    device = devices[0]
+    try:
+        if torch.is_autocast_enabled(device):
+            return device, str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+    return None
+
+
+def _requires_grad(value: Any) -> list[bool]:
+    return [bool(t.requires_grad) for _, t in _flatten(value, "")]
+
+
+# --------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """An operation that went non-finite in a replay, with what it saw there."""
+
+    key: OpKey
+    type_name: str
+    leaf: bool
+    made_here: bool
+    inputs: tuple[TensorFacts, ...]
+    outputs: tuple[TensorFacts, ...]
+    grad_outputs: tuple[TensorFacts, ...]
+    rows: frozenset[int] | None
+    autocast: tuple[str, str] | None
+
+
+@dataclass
+class Captured:
+    """What a fixture needs of one operation call, copied when it ran: the
+    module's state (its state_dict, cloned; the module itself is rebuilt from
+    the caller's model, without the probe's hooks) or the torch function, its
+    exact inputs, the autocast and RNG state in force, its outputs, and the
+    gradients it received (backward)."""
+
+    key: OpKey
+    function: Any = None  # the torch function, for a function operation
+    state: dict[str, Any] | None = None  # the module's state_dict, for a module
+    args: Any = None
+    kwargs: Any = None
+    requires_grad: list[bool] = field(default_factory=list)
+    autocast: tuple[str, str] | None = None
+    rng_state: Any = None
+    output: Any = None
+    grad_output: Any = None
+
+
+# --------------------------------------------------------------------- modules
+
+
+class ModuleProbe:
+    """Hooks on every module of a model copy, removed by :meth:`remove`.
+
+    ``target`` None surveys: :attr:`forward` is the first module call whose
+    output is non-finite while its inputs and its parameters and buffers are
+    finite (with ``passing_on``, for an input stage, the first whose output is
+    non-finite at all), :attr:`leaf_nonfinite` whether a leaf module's output
+    was (the forward stage), and :attr:`backward` the first module, in backward
+    order, whose input gradients or own parameters' gradients go non-finite
+    while its output gradients are finite. With a ``target`` only that call is
+    judged: :attr:`reproduced` and :attr:`rows`; a forward target stops the
+    replay (raises :class:`Stop`) once it has run, unless ``stop`` is false. ``capture`` keeps the
+    target's state, inputs and incoming gradients in :attr:`captured`; for a
+    backward target every forward call of the module is kept and
+    :meth:`captured_call` picks the one whose backward it was (backward runs
+    a module's calls in reverse order).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        batch_size: int,
+        target: OpKey | None = None,
+        passing_on: bool = False,
+        capture: bool = False,
+        backward: bool = True,
+        stop: bool = True,
+    ) -> None:
+        self.batch_size = batch_size
+        self.target = target
+        self.passing_on = passing_on
+        self._stop = stop
+        self.forward: Found | None = None
+        self.backward: Found | None = None
+        self.leaf_nonfinite = False
+        self.reproduced = False
+        self.rows: frozenset[int] | None = None
+        self.first_bad_grad_output: str | None = None
+        self._capture = capture and target is not None
+        self._kept: dict[int, Captured] = {}
+        self._grad_outputs: dict[int, Any] = {}
+        self._inputs: dict[tuple[str, int], tuple[Any, Any]] = {}  # survey: for backward facts
+        self._calls: dict[str, int] = {}
+        self._fires: dict[str, int] = {}
+        self._frames: list[tuple[int, bool | None, Any]] = []
+        self.completed: list[str] = []  # module paths in the order their forward ended
+        self._grad_out: dict[str, tuple[int, bool, Any]] = {}
+        self._state_ok: dict[str, bool] = {}
+        self._handles: list[Any] = []
+        self._leaves = {p for p, m in model.named_modules() if next(m.children(), None) is None}
+        for path, module in model.named_modules():
+            if target is None or (target.kind == "module" and target.path == path):
+                self._attach(path, module, backward)
+
+    def _attach(self, path: str, module: Any, backward: bool) -> None:
+        self._handles.append(
+            module.register_forward_pre_hook(self._pre(path), with_kwargs=True, prepend=True)
+        )
+        self._handles.append(module.register_forward_hook(self._post(path), with_kwargs=True))
+        if backward:
+            self._handles.append(module.register_full_backward_pre_hook(self._bpre(path)))
+            self._handles.append(module.register_full_backward_hook(self._bpost(path)))
+            for name, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    what = type(module).__qualname__
+                    self._handles.append(param.register_hook(self._grad(path, name, what)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def calls(self, path: str) -> int:
+        """How many times the module at ``path`` ran forward in this replay."""
+        return self._calls.get(path, 0)
+
+    def captured_call(self, call: int | None = None) -> Captured | None:
+        """The kept forward call ``call`` of the target's module (by default the
+        target's; for a backward target, the call its backward firing undid),
+        with the gradients its backward received."""
+        t = self.target
+        if not self._capture or t is None or not self._kept:
+            return None
+        calls = len(self._kept)
+        if call is None:
+            call = (calls - t.call + 1) if t.backward else t.call
+        kept = self._kept.get(call)
+        if kept is not None and self._grad_outputs:
+            kept.grad_output = self._grad_outputs.get(calls - call + 1)
+        return kept
+
+    def _judges(self, path: str, call: int, backward: bool) -> bool:
+        t = self.target
+        if t is None:
+            return (self.backward if backward else self.forward) is None
+        return t.backward == backward and t.path == path and t.call == call
+
+    def _state_finite(self, path: str, module: Any) -> bool:
+        if path not in self._state_ok:
+            self._state_ok[path] = all_finite(list(module.state_dict(keep_vars=True).values()))
+        return self._state_ok[path]
+
+    # forward -------------------------------------------------------------
+
+    def _pre(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            call = self._calls[path] = self._calls.get(path, 0) + 1
+            finite_in = None
+            if self._judges(path, call, False):
+                finite_in = all_finite((args, kwargs)) and self._state_finite(path, module)
+            autocast = autocast_state((args, kwargs))
+            if self.target is None:
+                self._inputs[(path, call)] = (args, kwargs)
+            if self._capture and (self.target.backward or self.target.call == call):  # type: ignore[union-attr]
+                self._kept[call] = Captured(
+                    OpKey("module", path, call),
+                    state={k: v.detach().clone() for k, v in module.state_dict().items()},
+                    args=_clone(args),
+                    kwargs=_clone(kwargs),
+                    requires_grad=_requires_grad((args, kwargs)),
+                    autocast=autocast,
+                    rng_state=torch.get_rng_state(),
+                )
+            self._frames.append((call, finite_in, autocast))
+
+        return hook
+
+    def _post(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            call, finite_in, autocast = self._frames.pop()
+            if self.target is None and self.forward is None:
+                self.completed.append(path)
+            if call in self._kept:
+                self._kept[call].output = _clone(output)
+            out_ok = True
+            if finite_in is not None or (path in self._leaves and not self.leaf_nonfinite):
+                out_ok = all_finite(output)
+            if path in self._leaves and not out_ok:
+                self.leaf_nonfinite = True
+            if finite_in is None:
+                return
+            bad = not out_ok and (finite_in or self.passing_on)
+            if self.target is not None:
+                self.reproduced, self.rows = bad, nonfinite_rows(output, self.batch_size)
+                if self._stop:
+                    raise Stop
+                return
+            if bad and self.forward is None:  # an enclosing call judged at its start
+                self.forward = Found(
+                    OpKey("module", path, call),
+                    type(module).__qualname__,
+                    path in self._leaves,
+                    finite_in,
+                    _inputs_facts((args, kwargs)),
+                    _named_facts("output", output),
+                    (),
+                    nonfinite_rows(output, self.batch_size),
+                    autocast,
+                )
+
+        return hook
+
+    # backward ------------------------------------------------------------
+
+    def _bpre(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, grad_output: Any) -> None:
+            fire = self._fires[path] = self._fires.get(path, 0) + 1
+            ok = all_finite(grad_output)
+            if not ok and self.first_bad_grad_output is None:
+                self.first_bad_grad_output = path or "(root)"
+            self._grad_out[path] = (fire, ok, grad_output)
+            if self._capture:
+                self._grad_outputs[fire] = _clone(grad_output)
+
+        return hook
+
+    def _bpost(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
+            fire, ok, _ = self._grad_out[path]
+            if ok and self._judges(path, fire, True) and not all_finite(grad_input):
+                self._backward_found(path, type(module).__qualname__, fire, grad_input)
+
+        return hook
+
+    def _grad(self, path: str, name: str, what: str) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            fire, ok, _ = self._grad_out.get(path, (0, False, None))
+            if ok and self._judges(path, fire, True) and not all_finite(grad):
+                self._backward_found(path, what, fire, {name: grad})
+
+        return hook
+
+    def _backward_found(self, path: str, what: str, fire: int, grads: Any) -> None:
+        rows = nonfinite_rows(grads, self.batch_size)
+        if self.target is not None:
+            self.reproduced = True
+            self.rows = rows if self.rows is None else self.rows | (rows or frozenset())
+            return
+        if self.backward is not None:
+            return
+        _, _, grad_output = self._grad_out[path]
+        inputs = self._inputs.get((path, self.calls(path) - fire + 1))
+        self.backward = Found(
+            OpKey("module", path, fire, backward=True),
+            what,
+            path in self._leaves,
+            True,
+            () if inputs is None else _inputs_facts(inputs),
+            _named_facts("grad", grads),
+            _named_facts("grad_output", grad_output),
+            rows,
+            None,
+        )
+
+
+# ------------------------------------------------------------------- functions
+
+
+def function_name(func: Any) -> str | None:
+    """A torch function's importable dotted name, or None for attribute access
+    and other calls that are not arithmetic."""
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    if not isinstance(qualname, str) or qualname.endswith(("__get__", "__set__")):
+        return None
+    head, _, rest = qualname.partition(".")
+    if head == "_VariableFunctionsClass":
+        return f"torch.{rest}"
+    if head in ("TensorBase", "Tensor"):
+        return f"torch.Tensor.{rest}"
+    module = getattr(func, "__module__", None)
+    return f"{module}.{qualname}" if module else None
+
+
+class _CallStack:
+    """Which module call the code is in: forward pre/post hooks on every module."""
+
+    def __init__(self, model: Any) -> None:
+        self.stack: list[tuple[str, int]] = [("", 0)]
+        self._calls: dict[str, int] = {}
+        self.names = {id(m): type(m).__qualname__ for m in model.modules()}
+        self._handles = []
+        for path, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._push(path), prepend=True))
+            self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+
+    def _push(self, path: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:
+            call = self._calls[path] = self._calls.get(path, 0) + 1
+            self.stack.append((path, call))
+
+        return hook
+
+    def _pop(self, module: Any, args: Any, output: Any) -> None:
+        self.stack.pop()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class FunctionProbe(TorchFunctionMode):
+    """Every torch function called directly by the code of one context.
+
+    ``within`` restricts the probe to the code of one module (``(path, call)``;
+    call None: every call of it) or, as ``("", 0)``, to code outside every
+    module (``compute_loss``). As a survey, :attr:`forward` is the first call
+    there whose result is non-finite while its arguments are finite (any result,
+    with ``passing_on``), and :attr:`backward` the first autograd node, in
+    backward order, made by such a call that turns finite incoming gradients
+    into non-finite outgoing ones. With a ``target`` only that call is judged.
+    Use as a context manager around the replay; :meth:`remove` drops the hooks.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        batch_size: int,
+        within: tuple[str, int | None],
+        target: OpKey | None = None,
+        passing_on: bool = False,
+        capture: bool = False,
+        backward: bool = True,
+    ) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.within = within
+        self.target = target
+        self.passing_on = passing_on
+        self.watch_nodes = backward and (target is None or target.backward)
+        self.forward: Found | None = None
+        self.backward: Found | None = None
+        self.reproduced = False
+        self.rows: frozenset[int] | None = None
+        self.captured: Captured | None = None
+        self._capture = capture and target is not None
+        self._counts: dict[tuple[str, int, str], int] = {}
+        self._calls = _CallStack(model)
+        self._node_hooks: list[Any] = []
+
+    def remove(self) -> None:
+        self._calls.remove()
+        for handle in self._node_hooks:
+            handle.remove()
+        self._node_hooks.clear()
+
+    def _here(self) -> tuple[str, int] | None:
+        path, call = self._calls.stack[-1]
+        want_path, want_call = self.within
+        if want_call == 0:
+            return (path, call) if call == 0 else None
+        if call == 0 or path != want_path or want_call not in (None, call):
+            return None
+        return path, call
+
+    def _judges(self, key: OpKey) -> bool:
+        if self.target is None:
+            return self.forward is None and self.backward is None
+        return replace(self.target, backward=False) == key
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        here = self._here()
+        name = function_name(func) if here is not None else None
+        if here is None or name is None:
+            return func(*args, **kwargs)
+        count = self._counts[(*here, name)] = self._counts.get((*here, name), 0) + 1
+        key = OpKey("function", here[0], here[1], name, count)
+        if not self._judges(key):
+            return func(*args, **kwargs)
+        finite_in = all_finite((args, kwargs))
+        # An in-place function rewrites its arguments: keep them as they came in.
+        inputs = _clone((args, kwargs)) if _in_place(name) else (args, kwargs)
+        autocast = autocast_state((args, kwargs))
+        if self._capture:
+            self.captured = Captured(
+                key,
+                function=func,
+                args=_clone(args),
+                kwargs=_clone(kwargs),
+                requires_grad=_requires_grad((args, kwargs)),
+                autocast=autocast,
+                rng_state=torch.get_rng_state(),
+            )
+        out = func(*args, **kwargs)
+        if self.captured is not None and self.captured.key == key:
+            self.captured.output = _clone(out)
+        if self.target is None or not self.target.backward:
+            self._judge_forward(key, out, finite_in, inputs, autocast)
+        if self.watch_nodes and finite_in:
+            self._watch_nodes(key, out, inputs)
+        return out
+
+    def _judge_forward(
+        self, key: OpKey, out: Any, finite_in: bool, inputs: Any, autocast: Any
+    ) -> None:
+        bad = not all_finite(out) and (finite_in or self.passing_on)
+        rows = nonfinite_rows(out, self.batch_size)
+        if self.target is not None:
+            self.reproduced, self.rows = bad, rows
+            raise Stop
+        if bad and self.forward is None:
+            self.forward = Found(
+                key, key.function, True, finite_in, _inputs_facts(inputs),
+                _named_facts("output", out), (), rows, autocast,
+            )  # fmt: skip
+
+    def _watch_nodes(self, key: OpKey, out: Any, inputs: Any) -> None:
+        nodes = {id(t.grad_fn): t.grad_fn for _, t in _flatten(out, "") if t.grad_fn is not None}
+        for node in nodes.values():
+            self._node_hooks.append(node.register_hook(self._node_hook(key, inputs)))
+
+    def _node_hook(self, key: OpKey, inputs: Any) -> Callable[[Any, Any], None]:
+        backward_key = replace(key, backward=True)
+
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            if self.captured is not None and self.captured.key == key:
+                self.captured.grad_output = _clone(grad_outputs)
+            if not all_finite(grad_outputs) or all_finite(grad_inputs):
+                return
+            rows = nonfinite_rows(grad_inputs, self.batch_size)
+            if self.target is not None:
+                self.reproduced, self.rows = True, rows
+            elif self.backward is None:
+                self.backward = Found(
+                    backward_key, key.function, True, True, _inputs_facts(inputs),
+                    _named_facts("grad_input", grad_inputs),
+                    _named_facts("grad_output", grad_outputs), rows, None,
+                )  # fmt: skip
+
+        return hook
+
+
+# ---------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class FailingStep:
+    """The failing step as the loop ran it, which every replay starts from.
+
+    ``compute_loss(model, batch)`` is the loop's forward, autocast included.
+    ``scaler`` (a ``torch.amp.GradScaler``) or ``loss_scale`` (a static scale)
+    scales the loss before backward as the loop did. ``rng_state`` is
+    ``torch.get_rng_state()`` taken before the forward (every replay starts
+    from it). ``select(batch, examples)`` returns the batch restricted to the
+    given indices; by default every tensor whose first dimension is the batch
+    size is indexed along it. ``batch_size`` defaults to the first dimension of
+    the batch's first tensor.
+    """
+
+    model: Any
+    optimizer: Any
+    batch: Any
+    compute_loss: Callable[[Any, Any], Any]
+    scaler: Any = None
+    loss_scale: float | None = None
+    rng_state: Any = None
+    select: Callable[[Any, tuple[int, ...]], Any] | None = None
+    batch_size: int | None = None
+
+
+def select_examples(batch: Any, examples: tuple[int, ...], size: int) -> Any:
+    """``batch`` with every tensor whose first dimension is ``size`` indexed by
+    ``examples``; other tensors and values as they are, containers rebuilt."""
+    index = torch.tensor(examples, dtype=torch.long)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() and batch.shape[0] == size:
+            return batch.index_select(0, index.to(batch.device))
+        return batch
+    if isinstance(batch, Mapping):
+        items = {k: select_examples(v, examples, size) for k, v in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(select_examples(v, examples, size) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(select_examples(v, examples, size) for v in batch)
+    return batch
+
+
+def _prepared_copy(model: Any) -> Any:
+    """A deep copy to replay on. In-place activations are switched off on the
+    copy: same values, and full backward hooks refuse a module output that the
+    next module rewrites in place."""
+    replica = copy.deepcopy(model)
+    for module in replica.modules():
+        if getattr(module, "inplace", None) is True:
+            module.inplace = False
+    for param in replica.parameters():
+        param.grad = None
+    return replica
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """How far a replay went: the loss and gradients' finiteness (None: not
+    reached), and whether a probe stopped it early."""
+
+    loss_finite: bool | None
+    grads_finite: bool | None
+    stopped: bool
+
+
+def _scaled(step: FailingStep, loss: Any) -> Any:
+    if step.scaler is not None and step.scaler.is_enabled():
+        from nanrunbook.capture.torch import _copy_scaler
+
+        return _copy_scaler(step.scaler).scale(loss)
+    return loss if step.loss_scale is None else loss * step.loss_scale
+
+
+def replay(
+    step: FailingStep,
+    examples: tuple[int, ...] | None,
+    probes: Callable[[Any], list[Any]],
+    *,
+    backward: bool,
+) -> Ran:
+    """One replay on a fresh copy of the model and a clone of the batch (or of
+    the given examples), from the step's RNG state; the caller's model, batch
+    and RNG are left as they were. ``probes(copy)`` attaches the probes
+    (function probes are entered as modes around the forward only) and every
+    one is removed afterwards, exceptions included. Backward runs, scaled as
+    the loop scaled it, when asked and the loss is finite."""
+    from nanrunbook.capture.torch import _cuda_devices
+
+    model = _prepared_copy(step.model)
+    size = step.batch_size or 0
+    if examples is None:
+        batch = _clone(step.batch)
+    elif step.select is not None:
+        batch = _clone(step.select(step.batch, examples))
+    else:
+        batch = _clone(select_examples(step.batch, examples, size))
+    attached = probes(model)
+    loss_finite = grads_finite = None
+    with torch.random.fork_rng(devices=_cuda_devices()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
+        torch.set_rng_state(step.rng_state)
+        try:
+            with ExitStack() as modes:
+                for probe in attached:
+                    if isinstance(probe, TorchFunctionMode):
+                        modes.enter_context(probe)
+                loss = step.compute_loss(model, batch)
+            loss_finite = all_finite(loss)
+            if backward and loss_finite:
+                _scaled(step, loss).backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grads_finite = all_finite(grads)
+        except Stop:
+            return Ran(loss_finite, grads_finite, True)
+        finally:
+            for probe in attached:
+                probe.remove()
+    return Ran(loss_finite, grads_finite, False)

@@ -1,0 +1,392 @@
+"""Shrink a failing step: the first bad operation, then the smallest batch.
+
+The runbook's *shrink the graph while preserving the triggering values*, for
+PyTorch, by replays on copies (the caller's model, optimizer, scaler, batch
+and RNG state are never touched):
+
+1. A survey replay finds the earliest non-finite stage, as ``check`` names it,
+   and the first operation that made the non-finite value from finite inputs:
+   a module (forward hooks; for backward, the first module whose input or
+   parameter gradients go non-finite while its output gradients are finite),
+   refined to the torch function that did it when the module is not a leaf or
+   no module did (the loss term, code between modules).
+2. Delta debugging over the batch dimension finds a smallest subset of the
+   examples on which that same operation still goes non-finite, trying first
+   the rows where its result went non-finite.
+3. Optionally, a fixture (:mod:`nanrunbook.capture.fixture`).
+
+Needs torch (``nanrunbook[torch]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanrunbook.capture.ddmin import Minimised, ddmin
+from nanrunbook.capture.findings import Operation, OpKey, Shrink
+from nanrunbook.capture.locate import (
+    FailingStep,
+    Found,
+    FunctionProbe,
+    ModuleProbe,
+    all_finite,
+    nonfinite_rows,
+    replay,
+)
+from nanrunbook.capture.torch import _flatten
+
+__all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "shrink", "shrink_step"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REPLAYS = 48
+
+
+class ShrinkError(ValueError):
+    """The step cannot be shrunk: the message says why, in one line."""
+
+
+# ------------------------------------------------------------------ the survey
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    stage: str
+    found: Found
+    replays: int
+    notes: tuple[str, ...]
+    mixing: tuple[str, ...]  # batch-statistics modules that ran before the operation
+
+
+def _batch_size(step: FailingStep) -> int:
+    if step.batch_size is not None:
+        if step.batch_size < 1:
+            raise ShrinkError("batch_size must be at least 1")
+        return step.batch_size
+    for _, tensor in _flatten(step.batch, ""):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+        break
+    raise ShrinkError("the batch's first tensor has no batch dimension: pass batch_size")
+
+
+def _uses_batch_statistics(module: Any) -> bool:
+    norm = torch.nn.modules.batchnorm._BatchNorm
+    return isinstance(module, norm) and (module.training or module.running_mean is None)
+
+
+def _stage(batch_bad: bool, probe: ModuleProbe, ran: Any) -> str | None:
+    if batch_bad:
+        return "input"
+    if probe.leaf_nonfinite:
+        return "forward"
+    if ran.loss_finite is False:
+        return "loss"
+    if ran.grads_finite is False:
+        return "backward"
+    return None
+
+
+def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
+    """The survey replay, then (when the module found is not a leaf, or none
+    is) a function-level one inside it or in ``compute_loss``."""
+    batch_bad = not all_finite(step.batch)
+    probes: list[ModuleProbe] = []
+
+    def attach(model: Any) -> list[Any]:
+        probes.append(ModuleProbe(model, batch_size=size, passing_on=batch_bad))
+        return probes
+
+    ran = replay(step, None, attach, backward=True)
+    survey = probes[0]
+    stage = _stage(batch_bad, survey, ran)
+    if stage is None:
+        raise ShrinkError(
+            "the replayed step is finite through its gradients: nothing to shrink "
+            "(an optimizer-stage HOLD is outside the shrink; a different RNG state "
+            "changes dropout: pass the one taken before the forward)"
+        )
+    if expected is not None and expected != stage:
+        raise ShrinkError(f"the replay goes non-finite at {stage}, not at {expected}")
+    backward = stage == "backward"
+    module = survey.backward if backward else survey.forward
+    names = dict(step.model.named_modules())
+    mixing = tuple(
+        p or "(root)" for p in dict.fromkeys(survey.completed) if _uses_batch_statistics(names[p])
+    )
+    if module is not None and module.leaf:
+        return _Located(stage, module, 1, (), mixing)
+    return _refine(step, size, stage, module, survey, batch_bad, mixing)
+
+
+def _refine(
+    step: FailingStep,
+    size: int,
+    stage: str,
+    module: Found | None,
+    survey: ModuleProbe,
+    batch_bad: bool,
+    mixing: tuple[str, ...],
+) -> _Located:
+    backward = stage == "backward"
+    if module is None:
+        within: tuple[str, int | None] = ("", 0)
+    else:
+        within = (module.key.path, None if backward else module.key.call)
+    probes: list[FunctionProbe] = []
+
+    def attach(model: Any) -> list[Any]:
+        probes.append(FunctionProbe(model, batch_size=size, within=within, passing_on=batch_bad))
+        return probes
+
+    replay(step, None, attach, backward=backward)
+    function = probes[0].backward if backward else probes[0].forward
+    if function is not None:
+        return _Located(stage, function, 2, (), mixing)
+    if module is not None:
+        note = "no torch function called directly in it made the value: the module is the answer"
+        return _Located(stage, module, 2, (note,), mixing)
+    where = survey.first_bad_grad_output if backward else None
+    seen = f"; first seen in the output gradient of module '{where}'" if where else ""
+    raise ShrinkError(
+        f"no operation made the {stage} non-finite from finite inputs and parameters{seen}"
+        " (are the parameters already non-finite?)"
+    )
+
+
+# ------------------------------------------------------------------ the search
+
+
+def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on: bool) -> Any:
+    """One replay of ``examples``, watching the operation ``key``."""
+    probes: list[Any] = []
+    size = len(examples)
+
+    def attach(model: Any) -> list[Any]:
+        if key.kind == "module":
+            probe: Any = ModuleProbe(
+                model, batch_size=size, target=key, passing_on=passing_on, backward=key.backward
+            )
+        else:
+            probe = FunctionProbe(
+                model,
+                batch_size=size,
+                within=(key.path, key.call),
+                target=key,
+                passing_on=passing_on,
+                backward=key.backward,
+            )
+        probes.append(probe)
+        return probes
+
+    replay(step, examples, attach, backward=key.backward)
+    return probes[0]
+
+
+def _interaction(
+    minimised: Minimised,
+    size: int,
+    mixing: tuple[str, ...],
+    full_rows: frozenset[int] | None,
+    subset_rows: frozenset[int] | None,
+) -> str | None:
+    if mixing:
+        return (
+            f"the examples interact through batch statistics ({', '.join(mixing)}): "
+            "a subset changes them, so the smallest batch may not be the examples that trigger it"
+        )
+    count = len(minimised.examples)
+    if count == size and size > 1:
+        return "no smaller batch makes it go non-finite: the examples act together, or every one is needed"
+    if count > 1 and minimised.one_minimal:
+        return f"these {count} examples make it go non-finite only together: they interact"
+    if full_rows is not None and subset_rows is not None:
+        expected = {minimised.examples.index(i) for i in full_rows if i in minimised.examples}
+        if set(subset_rows) != expected:
+            return "the operation's non-finite rows differ with and without the rest of the batch"
+    return None
+
+
+def _search(
+    step: FailingStep, size: int, located: _Located, max_trials: int, hint: bool
+) -> tuple[Minimised, frozenset[int] | None, int]:
+    """Delta debugging; returns the subset, the rows non-finite at the operation
+    in the subset's replay, and how many replays it ran."""
+    key = located.found.key
+    if located.stage == "input":
+        bad = nonfinite_rows(step.batch, size) or frozenset()
+
+        def data_fails(examples: tuple[int, ...]) -> bool:
+            return bool(bad.intersection(examples))
+
+        found = ddmin(size, data_fails, hint=sorted(bad) if hint else None, max_trials=max_trials)
+        return found, None, 0
+    rows: dict[tuple[int, ...], frozenset[int] | None] = {}
+
+    def fails(examples: tuple[int, ...]) -> bool:
+        probe = _trial(step, key, examples, passing_on=False)
+        rows[examples] = probe.rows
+        return bool(probe.reproduced)
+
+    start = located.found.rows
+    found = ddmin(
+        size, fails, hint=sorted(start) if hint and start else None, max_trials=max_trials
+    )
+    return found, rows.get(found.examples), found.trials
+
+
+# ------------------------------------------------------------------ the calls
+
+
+def _operation(located: _Located) -> Operation:
+    found = located.found
+    autocast = f"{found.autocast[0]}:{found.autocast[1]}" if found.autocast else None
+    return Operation(
+        stage=located.stage,
+        key=found.key,
+        type_name=found.type_name,
+        made_here=found.made_here,
+        inputs=found.inputs,
+        outputs=found.outputs,
+        grad_outputs=found.grad_outputs,
+        autocast=autocast,
+    )
+
+
+def shrink(
+    step: FailingStep,
+    *,
+    stage: str | None = None,
+    max_replays: int = DEFAULT_MAX_REPLAYS,
+    hint: bool = True,
+    fixture: str | Path | None = None,
+    bundle: Mapping[str, Any] | None = None,
+    drop_names: bool = False,
+    overwrite: bool = False,
+) -> Shrink:
+    """Locate the first bad operation of ``step`` and a smallest batch for it.
+
+    ``stage``, when known (the sentinel's or the bundle's verdict), must be
+    the stage the replay goes non-finite at, else ShrinkError. At most
+    ``max_replays`` replays are run (the survey included); when the budget
+    runs out the subset found so far is returned, not proven minimal.
+    ``hint`` false starts delta debugging from plain halves instead of the
+    rows where the operation went non-finite.
+
+    With ``fixture`` a directory is written there (see
+    :func:`nanrunbook.capture.fixture.write_fixture`); ``bundle`` then gives
+    :func:`~nanrunbook.capture.torch.replay_step`'s identity arguments (run_id,
+    step, incident_owner, last_known_good, binding, and optionally owners) for
+    its bundle. Raises ShrinkError with a one-line reason when there is no
+    operation to find.
+    """
+    if max_replays < 2:
+        raise ShrinkError("max_replays must be at least 2: a survey and one trial")
+    size = _batch_size(step)
+    step = replace(
+        step,
+        batch_size=size,
+        rng_state=torch.get_rng_state() if step.rng_state is None else step.rng_state,
+    )
+    located = _locate(step, size, stage)
+    minimised, subset_rows, trial_replays = _search(
+        step, size, located, max(max_replays - located.replays, 1), hint
+    )
+    notes = list(located.notes)
+    if not minimised.one_minimal:
+        notes.append(f"the replay budget ({max_replays}) ran out before the subset was minimal")
+    result = Shrink(
+        operation=_operation(located),
+        batch_size=size,
+        examples=minimised.examples,
+        minimal=minimised.one_minimal,
+        interaction=_interaction(minimised, size, located.mixing, located.found.rows, subset_rows),
+        replays=located.replays + trial_replays,
+        trials=minimised.trials,
+        nonfinite_rows=None if located.found.rows is None else tuple(sorted(located.found.rows)),
+        notes=tuple(notes),
+    )
+    if fixture is None:
+        return result
+    if bundle is None:
+        raise ShrinkError("a fixture needs bundle= (replay_step's run_id, step, owners, binding)")
+    from nanrunbook.capture.fixture import write_fixture
+
+    path = write_fixture(
+        fixture, step, result, bundle=bundle, drop_names=drop_names, overwrite=overwrite
+    )
+    return replace(result, fixture=str(path))
+
+
+def shrink_step(
+    model: Any,
+    optimizer: Any,
+    batch: Any,
+    compute_loss: Callable[[Any, Any], Any],
+    *,
+    scaler: Any = None,
+    loss_scale: float | None = None,
+    rng_state: Any = None,
+    select: Callable[[Any, tuple[int, ...]], Any] | None = None,
+    batch_size: int | None = None,
+    **options: Any,
+) -> Shrink:
+    """One call: :func:`shrink` of the step the loop just ran.
+
+    ``compute_loss(model, batch)`` is the loop's forward, autocast included;
+    ``scaler``/``loss_scale`` scale the loss before backward as the loop did;
+    ``rng_state`` is ``torch.get_rng_state()`` taken before the forward (by
+    default the current state). ``options`` are :func:`shrink`'s (stage,
+    max_replays, hint, fixture, bundle, drop_names, overwrite).
+    """
+    step = FailingStep(
+        model, optimizer, batch, compute_loss, scaler, loss_scale, rng_state, select, batch_size
+    )
+    return shrink(step, **options)
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkOnHold:
+    """What a training-loop sentinel calls on a HOLD, when the loop opted in
+    (the shrink costs replays: at most ``max_replays`` steps' worth).
+
+    Called as ``hook(step, stage=..., incident=..., bundle=...)`` with the
+    failing step, the stage the check answered, the incident directory (the
+    fixture goes to ``incident/<directory>``) and replay_step's identity
+    arguments. Returns the Shrink, or None after logging why there was none:
+    a shrink never turns a hold into a crash.
+    """
+
+    max_replays: int = 24
+    directory: str = "shrink"
+    drop_names: bool = False
+
+    def __call__(
+        self,
+        step: FailingStep,
+        *,
+        stage: str,
+        incident: str | Path,
+        bundle: Mapping[str, Any],
+    ) -> Shrink | None:
+        try:
+            result = shrink(
+                step,
+                stage=stage,
+                max_replays=self.max_replays,
+                fixture=Path(incident) / self.directory,
+                bundle=bundle,
+                drop_names=self.drop_names,
+            )
+        except (ShrinkError, RuntimeError, TypeError, ValueError, OSError) as error:
+            log.warning("shrink: no result for the %s hold: %s", stage, error)
+            return None
+        for line in result.lines():
+            log.info("shrink: %s", line)
+        return result
