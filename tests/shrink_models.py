@@ -98,3 +98,91 @@ def xent_bf16(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def batch_of(x: torch.Tensor, classes: int, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {"x": x, "y": torch.randint(0, classes, (x.shape[0],), generator=g)}
+
+
+class FunctionalAttention(nn.Module):
+    """The same attention with exp written inline: no module marks it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        weights = torch.exp(scores)
+        return (weights / weights.sum(-1, keepdim=True)) @ self.v(x)
+
+
+class FunctionalAttnNet(nn.Module):
+    def __init__(self, dim: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.attn = FunctionalAttention(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x).mean(1))
+
+
+def bce_by_hand(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Binary cross-entropy written by hand: log(1 - p) is -inf once p rounds to 1."""
+    p = torch.sigmoid(model(batch["x"])[:, 0])
+    y = batch["y"].float().clamp(max=1)
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def siamese_distance(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A contrastive loss on Euclidean distances: sqrt at a zero distance."""
+    distance = ((model(batch["x"]) - model(batch["x2"])) ** 2).sum(1).sqrt()
+    return (distance**2 + torch.relu(1.0 - distance) ** 2).mean()
+
+
+class BatchNormNet(nn.Module):
+    """Batch norm ahead of the hand-written normalisation: examples interact."""
+
+    def __init__(self, features: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(features)
+        self.norm = Normalise()
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.bn(x)))
+
+
+class Similarity(nn.Module):
+    """In-batch negatives: exp of every pair's negated dot product."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-(z @ z.T))
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = Similarity()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.sim(z)
+
+
+def pair_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["z"]).mean() + 0 * batch["w"].sum()
+
+
+class GuardedNormalise(nn.Module):
+    """Normalisation behind a data-dependent branch: torch.export cannot trace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x.abs() > 1e6).any()):
+            x = x.clamp(-1e6, 1e6)
+        return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+
+
+class GuardedNet(nn.Module):
+    def __init__(self, features: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.norm = GuardedNormalise()
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))

@@ -10,7 +10,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OpKey", "Operation", "Shrink", "TensorFacts"]
+__all__ = ["OpKey", "Operation", "Shrink", "ShrinkError", "TensorFacts"]
+
+
+class ShrinkError(ValueError):
+    """The step cannot be shrunk: the message says why, in one line."""
 
 
 @dataclass(frozen=True, slots=True)

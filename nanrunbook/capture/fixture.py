@@ -22,8 +22,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import logging
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -43,9 +45,11 @@ from nanrunbook.capture.locate import (
     FunctionProbe,
     ModuleProbe,
     replay,
+    requires_grad_flags,
+    resolved,
     select_examples,
 )
-from nanrunbook.capture.torch import tensor_to_raw
+from nanrunbook.capture.torch import _clone, _flatten, tensor_to_raw
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
 __all__ = ["FIXTURE_FORMAT", "FixtureError", "write_fixture"]
@@ -65,48 +69,78 @@ class FixtureError(ValueError):
 # ------------------------------------------------------------------ capture
 
 
-def _capture(step: FailingStep, result: Shrink) -> tuple[Captured, Captured | None]:
+class _ModelCalls:
+    """The model's own calls in a replay: their outputs, cloned, in call order."""
+
+    def __init__(self, model: Any) -> None:
+        self.outputs: list[Any] = []
+        self.requires_grad: list[list[bool]] = []
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module: Any, args: Any, output: Any) -> None:
+        self.outputs.append(_clone(output))
+        self.requires_grad.append(requires_grad_flags(output))
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@dataclass(frozen=True, slots=True)
+class _Captures:
+    op: Captured
+    module: Captured | None  # the module whose code called the function operation
+    model: _ModelCalls | None  # for an operation in compute_loss: the model's outputs
+    model_calls_before: int | None  # how many model calls had returned when it ran
+
+
+def _probes(key: OpKey, size: int, passing_on: bool, model: Any) -> list[Any]:
+    if key.kind == "module":
+        return [
+            ModuleProbe(model, batch_size=size, target=key, passing_on=passing_on,
+                        capture=True, backward=key.backward)
+        ]  # fmt: skip
+    probes: list[Any] = [
+        FunctionProbe(model, batch_size=size, within=(key.path, key.call), target=key,
+                      passing_on=passing_on, capture=True, backward=key.backward, stop=False)
+    ]  # fmt: skip
+    if key.call:
+        probes.append(
+            ModuleProbe(model, batch_size=size, target=OpKey("module", key.path, key.call),
+                        capture=True, backward=key.backward, stop=False)
+        )  # fmt: skip
+    else:
+        probes.append(_ModelCalls(model))
+    return probes
+
+
+def _capture(step: FailingStep, result: Shrink) -> _Captures:
     """One replay of the shrunk examples: the operation's call and, for a
-    function inside a module, that module's call (the current-code program)."""
+    function, the module call whose code called it or, in compute_loss, the
+    model's outputs (for the current-code test)."""
     key = result.operation.key
-    size = len(result.examples)
     passing_on = result.operation.stage == "input"
     probes: list[Any] = []
 
     def attach(model: Any) -> list[Any]:
-        if key.kind == "module":
-            probes.append(
-                ModuleProbe(model, batch_size=size, target=key, passing_on=passing_on,
-                            capture=True, backward=key.backward)
-            )  # fmt: skip
-            return probes
-        probes.append(
-            FunctionProbe(model, batch_size=size, within=(key.path, key.call), target=key,
-                          passing_on=passing_on, capture=True, backward=key.backward)
-        )  # fmt: skip
-        if key.call:
-            enclosing = OpKey("module", key.path, key.call)
-            probes.append(
-                ModuleProbe(model, batch_size=size, target=enclosing, capture=True,
-                            backward=key.backward, stop=False)
-            )  # fmt: skip
+        probes.extend(_probes(key, len(result.examples), passing_on, model))
         return probes
 
     replay(step, result.examples, attach, backward=key.backward)
-    if not probes[0].reproduced:
+    first = probes[0]
+    if not first.reproduced:
         raise FixtureError(
             f"{result.operation.describe()} did not go non-finite again on examples "
             f"{list(result.examples)}: the replay is not deterministic here"
         )
-    if key.kind == "module":
-        op = probes[0].captured_call()
-        module = None
-    else:
-        op = probes[0].captured
-        module = probes[1].captured_call(key.call) if key.call else None
+    op = first.captured_call() if key.kind == "module" else first.captured
     if op is None:
         raise FixtureError(f"{result.operation.describe()} ran but was not captured")
-    return op, module
+    op.key = key  # the operation's key (a function's capture holds its forward key)
+    if key.kind == "module":
+        return _Captures(op, None, None, None)
+    if key.call:
+        return _Captures(op, probes[1].captured_call(key.call), None, None)
+    return _Captures(op, None, probes[1], first.model_calls_before)
 
 
 # ------------------------------------------------------------------ arguments
@@ -251,29 +285,37 @@ def _export(path: Path, target: Any, call: Captured, structure: Any) -> str | No
     leaves: list[Any] = []
     _structure((call.args, call.kwargs), leaves)
     inputs = tuple(t.detach() for t in leaves)
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.CRITICAL)  # a failed trace logs the graph it got: the note says it
     try:
-        with _autocast(call):
+        with _autocast(call), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             program = torch.export.export(_Call(target, structure), inputs)
         torch.export.save(program, path)
     except Exception as error:  # export raises many types; any of them means "fall back"
         path.unlink(missing_ok=True)
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         return f"torch.export could not trace it ({type(error).__name__}: {first})"
+    finally:
+        torch_log.setLevel(level)
     return None
 
 
-def _importable(cls: type) -> str | None:
-    """None when ``cls`` can be imported by its path in another process, else why not."""
-    where = f"{cls.__module__}.{cls.__qualname__}"
-    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-        return f"class {where} cannot be imported by another process: move it to a module"
+def _importable(obj: Any) -> str | None:
+    """None when ``obj`` (a class or function) can be imported by its path in
+    another process, else why not."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "?")
+    where = f"{module}.{qualname}"
+    if not module or module == "__main__" or "<" in qualname:
+        return f"{where} cannot be imported by another process: move it to a module"
     try:
-        found: Any = importlib.import_module(cls.__module__)
-        for part in cls.__qualname__.split("."):
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError):
-        return f"class {where} cannot be imported"
-    return None if found is cls else f"{where} names another object"
+        return f"{where} cannot be imported"
+    return None if found is obj else f"{where} names another object"
 
 
 def _current(temp: Path, module: Any, label: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -291,6 +333,7 @@ def _current(temp: Path, module: Any, label: str) -> tuple[dict[str, Any] | None
     write_synced(temp / WEIGHTS_FILE, safetensors_chunks(list(state.items())))
     cls = type(module)
     return {
+        "kind": "module",
         "file": MODULE_FILE,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "weights": WEIGHTS_FILE,
@@ -299,27 +342,108 @@ def _current(temp: Path, module: Any, label: str) -> tuple[dict[str, Any] | None
     }, None
 
 
+def _loss_current(
+    step: FailingStep,
+    captures: _Captures,
+    batch: Any,
+    store: _Tensors,
+    calls: dict[str, Any],
+) -> tuple[dict[str, Any] | None, str | None]:
+    """For an operation in compute_loss: the loop's compute_loss, imported by its
+    path, called on the shrunk batch with a stand-in model that returns the
+    model's recorded outputs (so the test runs the loss code as it is now)."""
+    model = captures.model
+    if model is None or captures.model_calls_before is None:
+        return None, "the model's outputs were not recorded"
+    if captures.model_calls_before < len(model.outputs):
+        return None, (
+            "the operation runs in compute_loss before the model does: the current-code test"
+            " would need the whole model; the frozen program reproduces it"
+        )
+    reason = _importable(step.compute_loss)
+    if reason is not None:
+        return None, f"compute_loss: {reason}"
+    scale = _scale(step)
+    if not _stand_in_reproduces(step, batch, model.outputs, captures.op.key.backward, scale):
+        return None, "compute_loss with the model's recorded outputs does not reproduce it"
+    leaves: list[Any] = []
+    structure = _structure((batch, model.outputs), leaves)
+    names = [store.add(f"loss/input/{i}", t) for i, t in enumerate(leaves)]
+    flags = requires_grad_flags(batch) + [f for call in model.requires_grad for f in call]
+    calls["loss"] = {
+        "batch": _spec(structure[0], names, flags),
+        "outputs": [_spec(o, names, flags) for o in structure[1]],
+        "rng_state": store.add("loss/rng_state", step.rng_state),
+        "loss_scale": scale,
+    }
+    fn = step.compute_loss
+    return {"kind": "compute_loss", "function": f"{fn.__module__}:{fn.__qualname__}"}, None
+
+
+def _scale(step: FailingStep) -> float:
+    if step.scaler is not None and step.scaler.is_enabled():
+        return float(step.scaler.get_scale())
+    return 1.0 if step.loss_scale is None else float(step.loss_scale)
+
+
+class _StandIn(torch.nn.Module):
+    """A model that returns recorded outputs, one per call, in order."""
+
+    def __init__(self, outputs: list[Any]) -> None:
+        super().__init__()
+        self._outputs = iter(outputs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return next(self._outputs)
+
+
+def _stand_in_reproduces(
+    step: FailingStep, batch: Any, outputs: list[Any], backward: bool, scale: float
+) -> bool:
+    """What the generated test will do, done here first: compute_loss on the
+    stand-in model gives a non-finite loss (or, backward, non-finite gradients
+    of the model's outputs)."""
+    from nanrunbook.capture.locate import all_finite
+
+    outputs = _clone(outputs)
+    leaves = [t for _, t in _flatten(outputs, "") if t.is_floating_point()]
+    for leaf in leaves:
+        leaf.requires_grad_(backward)
+    try:
+        with torch.random.fork_rng():
+            torch.set_rng_state(step.rng_state)
+            loss = step.compute_loss(_StandIn(outputs), _clone(batch))
+            if not backward:
+                return not all_finite(loss)
+            grads = torch.autograd.grad(loss * scale, leaves, allow_unused=True)
+    except Exception:  # a compute_loss that needs more of the model than its call
+        return False
+    return not all_finite([g for g in grads if g is not None])
+
+
 def _programs(
     temp: Path,
     step: FailingStep,
-    op: Captured,
-    enclosing: Captured | None,
+    captures: _Captures,
+    batch: Any,
+    store: _Tensors,
+    calls: dict[str, Any],
     structure: Any,
 ) -> dict[str, Any]:
+    op = captures.op
     frozen_target = _module(step, op) if op.key.kind == "module" else op.function
     frozen_note = _export(temp / FROZEN_FILE, frozen_target, op, structure)
     if op.key.kind == "module":
         current, current_note = _current(temp, _module(step, op), "op")
-    elif enclosing is not None:
-        current, current_note = _current(temp, _module(step, enclosing), "module")
+    elif captures.module is not None:
+        current, current_note = _current(temp, _module(step, captures.module), "module")
     else:
-        current, current_note = (
-            None,
-            (
-                "the operation is code outside every module (compute_loss): the fix lives there;"
-                " shrink again after fixing it"
-            ),
-        )
+        current, current_note = _loss_current(step, captures, batch, store, calls)
+    if frozen_note and current is None:
+        raise FixtureError(f"no program reproduces it: {frozen_note}; and {current_note}")
+    if frozen_note and current is not None:
+        where = current.get("class") or current.get("function")
+        frozen_note += f"; falling back to {where} by class path and its state (test_current_code)"
     return {
         "frozen": None if frozen_note else FROZEN_FILE,
         "frozen_note": frozen_note,
@@ -331,16 +455,12 @@ def _programs(
 # ------------------------------------------------------------------ facts
 
 
-def _bundle(path: Path, step: FailingStep, result: Shrink, identity: Mapping[str, Any]) -> Any:
+def _bundle(path: Path, step: FailingStep, batch: Any, identity: Mapping[str, Any]) -> Any:
     """The shrunk step's bundle, by replay_step, and the check's answer on it."""
     from nanrunbook.capture.torch import replay_step
     from nanrunbook.check import check_bundle
 
     arguments = {k: v for k, v in identity.items() if k not in ("target", "overwrite")}
-    if step.select is not None:
-        batch = step.select(step.batch, result.examples)
-    else:
-        batch = select_examples(step.batch, result.examples, result.batch_size)
     replay_step(
         step.model,
         step.optimizer,
@@ -510,17 +630,22 @@ def write_fixture(
     FileExistsError when ``target`` exists and ``overwrite`` is false.
     """
     target = Path(target)
-    op, enclosing = _capture(step, result)
+    step = resolved(step)
+    captures = _capture(step, result)
+    if step.select is not None:
+        batch = step.select(step.batch, result.examples)
+    else:
+        batch = select_examples(step.batch, result.examples, result.batch_size)
     store = _Tensors(drop_names)
-    calls = {}
-    calls["op"], structure = _call_document("op", op, store)
-    if enclosing is not None:
-        calls["module"], _ = _call_document("module", enclosing, store)
+    calls: dict[str, Any] = {}
+    calls["op"], structure = _call_document("op", captures.op, store)
+    if captures.module is not None:
+        calls["module"], _ = _call_document("module", captures.module, store)
     test = _test_name(result, bundle)
     with atomic_directory(target, overwrite=overwrite) as temp:
-        programs = _programs(temp, step, op, enclosing, structure)
+        programs = _programs(temp, step, captures, batch, store, calls, structure)
         write_synced(temp / INPUTS_FILE, safetensors_chunks(list(store.raw.items())))
-        decision = _bundle(temp / BUNDLE_DIR, step, result, bundle)
+        decision = _bundle(temp / BUNDLE_DIR, step, batch, bundle)
         notes = list(result.notes) + [n for n in (programs["frozen_note"],) if n]
         if programs["current_note"]:
             notes.append(programs["current_note"])

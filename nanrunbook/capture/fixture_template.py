@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import struct
 from pathlib import Path
@@ -170,10 +171,7 @@ def test_frozen_program_reproduces() -> None:
     assert nonfinite(results) > 0, "the incident's operation gave finite values: torch changed?"
 
 
-def current_module() -> torch.nn.Module:
-    current = FIXTURE["program"]["current"]
-    if current is None:
-        pytest.skip(FIXTURE["program"]["current_note"])
+def current_module(current: dict[str, Any]) -> torch.nn.Module:
     module = torch.load(HERE / current["file"], weights_only=False)
     state = dict(module.state_dict(keep_vars=True))
     for name, expected in current["state_sha256"].items():
@@ -182,10 +180,46 @@ def current_module() -> torch.nn.Module:
     return module
 
 
+class Recorded(torch.nn.Module):
+    """A stand-in for the model: returns its recorded outputs, one per call."""
+
+    def __init__(self, outputs: list[Any]) -> None:
+        super().__init__()
+        self.outputs = iter(outputs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return next(self.outputs)
+
+
+def run_compute_loss(function: str, call: dict[str, Any]) -> list[torch.Tensor]:
+    """The loop's compute_loss, as the code is now, on the pinned batch, with the
+    model's recorded outputs: the loss, or for a backward operation the
+    gradients of those outputs."""
+    module, _, qualname = function.partition(":")
+    compute_loss: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        compute_loss = getattr(compute_loss, part)
+    leaves: list[torch.Tensor] = []
+    batch = build(call["batch"], leaves)
+    outputs = [build(spec, leaves) for spec in call["outputs"]]
+    torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
+    loss = compute_loss(Recorded(outputs), batch)
+    if not OPERATION["backward"]:
+        return flat(loss)
+    wrt = [t for t in flat(outputs) if t.requires_grad]
+    grads = torch.autograd.grad(loss * call["loss_scale"], wrt, allow_unused=True)
+    return [g for g in grads if g is not None]
+
+
 def test_current_code() -> None:
-    module = current_module()
-    call = FIXTURE["inputs"][FIXTURE["program"]["current"]["call"]]
-    count = nonfinite(run(module, call, flat_inputs=False))
+    current = FIXTURE["program"]["current"]
+    if current is None:
+        pytest.skip(FIXTURE["program"]["current_note"])
+    if current["kind"] == "compute_loss":
+        count = nonfinite(run_compute_loss(current["function"], FIXTURE["inputs"]["loss"]))
+    else:
+        call = FIXTURE["inputs"][current["call"]]
+        count = nonfinite(run(current_module(current), call, flat_inputs=False))
     if FIXED:
         assert count == 0, f"still {count} non-finite values: the fix is not in"
     else:

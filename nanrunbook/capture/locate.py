@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanrunbook.capture.findings import OpKey, TensorFacts
+from nanrunbook.capture.findings import OpKey, ShrinkError, TensorFacts
 from nanrunbook.capture.torch import _clone, _flatten
 
 __all__ = [
@@ -42,6 +42,10 @@ __all__ = [
     "autocast_state",
     "facts",
     "nonfinite_rows",
+    "replay",
+    "requires_grad_flags",
+    "resolved",
+    "select_examples",
 ]
 
 
@@ -169,7 +173,8 @@ def autocast_state(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def _requires_grad(value: Any) -> list[bool]:
+def requires_grad_flags(value: Any) -> list[bool]:
+    """Whether each tensor of ``value``, in order, requires grad."""
     return [bool(t.requires_grad) for _, t in _flatten(value, "")]
 
 
@@ -334,7 +339,7 @@ class ModuleProbe:
                     state={k: v.detach().clone() for k, v in module.state_dict().items()},
                     args=_clone(args),
                     kwargs=_clone(kwargs),
-                    requires_grad=_requires_grad((args, kwargs)),
+                    requires_grad=requires_grad_flags((args, kwargs)),
                     autocast=autocast,
                     rng_state=torch.get_rng_state(),
                 )
@@ -453,8 +458,8 @@ class _CallStack:
 
     def __init__(self, model: Any) -> None:
         self.stack: list[tuple[str, int]] = [("", 0)]
+        self.model_calls_done = 0  # calls of the model itself that have returned
         self._calls: dict[str, int] = {}
-        self.names = {id(m): type(m).__qualname__ for m in model.modules()}
         self._handles = []
         for path, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._push(path), prepend=True))
@@ -468,7 +473,9 @@ class _CallStack:
         return hook
 
     def _pop(self, module: Any, args: Any, output: Any) -> None:
-        self.stack.pop()
+        path, _ = self.stack.pop()
+        if path == "" and len(self.stack) == 1:
+            self.model_calls_done += 1
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -484,8 +491,10 @@ class FunctionProbe(TorchFunctionMode):
     there whose result is non-finite while its arguments are finite (any result,
     with ``passing_on``), and :attr:`backward` the first autograd node, in
     backward order, made by such a call that turns finite incoming gradients
-    into non-finite outgoing ones. With a ``target`` only that call is judged.
-    Use as a context manager around the replay; :meth:`remove` drops the hooks.
+    into non-finite outgoing ones. With a ``target`` only that call is judged,
+    and a forward target stops the replay once it has run unless ``stop`` is
+    false. Use as a context manager around the replay; :meth:`remove` drops
+    the hooks.
     """
 
     def __init__(
@@ -498,10 +507,13 @@ class FunctionProbe(TorchFunctionMode):
         passing_on: bool = False,
         capture: bool = False,
         backward: bool = True,
+        stop: bool = True,
     ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.within = within
+        self._stop = stop
+        self.model_calls_before: int | None = None  # capture: model calls done before it
         self.target = target
         self.passing_on = passing_on
         self.watch_nodes = backward and (target is None or target.backward)
@@ -550,12 +562,13 @@ class FunctionProbe(TorchFunctionMode):
         inputs = _clone((args, kwargs)) if _in_place(name) else (args, kwargs)
         autocast = autocast_state((args, kwargs))
         if self._capture:
+            self.model_calls_before = self._calls.model_calls_done
             self.captured = Captured(
                 key,
                 function=func,
                 args=_clone(args),
                 kwargs=_clone(kwargs),
-                requires_grad=_requires_grad((args, kwargs)),
+                requires_grad=requires_grad_flags((args, kwargs)),
                 autocast=autocast,
                 rng_state=torch.get_rng_state(),
             )
@@ -575,7 +588,9 @@ class FunctionProbe(TorchFunctionMode):
         rows = nonfinite_rows(out, self.batch_size)
         if self.target is not None:
             self.reproduced, self.rows = bad, rows
-            raise Stop
+            if self._stop:
+                raise Stop
+            return
         if bad and self.forward is None:
             self.forward = Found(
                 key, key.function, True, finite_in, _inputs_facts(inputs),
@@ -634,6 +649,21 @@ class FailingStep:
     rng_state: Any = None
     select: Callable[[Any, tuple[int, ...]], Any] | None = None
     batch_size: int | None = None
+
+
+def resolved(step: FailingStep) -> FailingStep:
+    """``step`` with its batch size and RNG state filled in (the current state when
+    none was given: every later replay starts from the same one)."""
+    size = step.batch_size
+    if size is None:
+        tensors = [t for _, t in _flatten(step.batch, "")]
+        if not tensors or tensors[0].dim() == 0:
+            raise ShrinkError("the batch's first tensor has no batch dimension: pass batch_size")
+        size = int(tensors[0].shape[0])
+    if size < 1:
+        raise ShrinkError("batch_size must be at least 1")
+    state = torch.get_rng_state() if step.rng_state is None else step.rng_state
+    return replace(step, batch_size=size, rng_state=state)
 
 
 def select_examples(batch: Any, examples: tuple[int, ...], size: int) -> Any:

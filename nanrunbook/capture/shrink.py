@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.ddmin import Minimised, ddmin
-from nanrunbook.capture.findings import Operation, OpKey, Shrink
+from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError
 from nanrunbook.capture.locate import (
     FailingStep,
     Found,
@@ -38,18 +38,14 @@ from nanrunbook.capture.locate import (
     all_finite,
     nonfinite_rows,
     replay,
+    resolved,
 )
-from nanrunbook.capture.torch import _flatten
 
 __all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "shrink", "shrink_step"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REPLAYS = 48
-
-
-class ShrinkError(ValueError):
-    """The step cannot be shrunk: the message says why, in one line."""
 
 
 # ------------------------------------------------------------------ the survey
@@ -62,18 +58,6 @@ class _Located:
     replays: int
     notes: tuple[str, ...]
     mixing: tuple[str, ...]  # batch-statistics modules that ran before the operation
-
-
-def _batch_size(step: FailingStep) -> int:
-    if step.batch_size is not None:
-        if step.batch_size < 1:
-            raise ShrinkError("batch_size must be at least 1")
-        return step.batch_size
-    for _, tensor in _flatten(step.batch, ""):
-        if tensor.dim() > 0:
-            return int(tensor.shape[0])
-        break
-    raise ShrinkError("the batch's first tensor has no batch dimension: pass batch_size")
 
 
 def _uses_batch_statistics(module: Any) -> bool:
@@ -213,11 +197,19 @@ def _interaction(
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Searched:
+    minimised: Minimised
+    rows: frozenset[int] | None  # non-finite rows at the operation in the subset's replay
+    replays: int
+    notes: tuple[str, ...]
+
+
 def _search(
     step: FailingStep, size: int, located: _Located, max_trials: int, hint: bool
-) -> tuple[Minimised, frozenset[int] | None, int]:
-    """Delta debugging; returns the subset, the rows non-finite at the operation
-    in the subset's replay, and how many replays it ran."""
+) -> _Searched:
+    """Delta debugging over the examples. A trial that raises (batch norm on one
+    example, a loss that needs two) counts as not reproducing, with a note."""
     key = located.found.key
     if located.stage == "input":
         bad = nonfinite_rows(step.batch, size) or frozenset()
@@ -226,11 +218,16 @@ def _search(
             return bool(bad.intersection(examples))
 
         found = ddmin(size, data_fails, hint=sorted(bad) if hint else None, max_trials=max_trials)
-        return found, None, 0
+        return _Searched(found, None, 0, ())
     rows: dict[tuple[int, ...], frozenset[int] | None] = {}
+    errors: list[str] = []
 
     def fails(examples: tuple[int, ...]) -> bool:
-        probe = _trial(step, key, examples, passing_on=False)
+        try:
+            probe = _trial(step, key, examples, passing_on=False)
+        except Exception as error:  # the loop's own code failed on this subset
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            return False
         rows[examples] = probe.rows
         return bool(probe.reproduced)
 
@@ -238,7 +235,12 @@ def _search(
     found = ddmin(
         size, fails, hint=sorted(start) if hint and start else None, max_trials=max_trials
     )
-    return found, rows.get(found.examples), found.trials
+    notes: tuple[str, ...] = ()
+    if errors:
+        notes = (
+            f"{len(errors)} trial(s) raised and counted as not reproducing (first: {errors[0]})",
+        )
+    return _Searched(found, rows.get(found.examples), found.trials, notes)
 
 
 # ------------------------------------------------------------------ the calls
@@ -288,17 +290,12 @@ def shrink(
     """
     if max_replays < 2:
         raise ShrinkError("max_replays must be at least 2: a survey and one trial")
-    size = _batch_size(step)
-    step = replace(
-        step,
-        batch_size=size,
-        rng_state=torch.get_rng_state() if step.rng_state is None else step.rng_state,
-    )
+    step = resolved(step)
+    size = step.batch_size or 0
     located = _locate(step, size, stage)
-    minimised, subset_rows, trial_replays = _search(
-        step, size, located, max(max_replays - located.replays, 1), hint
-    )
-    notes = list(located.notes)
+    searched = _search(step, size, located, max(max_replays - located.replays, 1), hint)
+    minimised = searched.minimised
+    notes = list(located.notes) + list(searched.notes)
     if not minimised.one_minimal:
         notes.append(f"the replay budget ({max_replays}) ran out before the subset was minimal")
     result = Shrink(
@@ -306,8 +303,10 @@ def shrink(
         batch_size=size,
         examples=minimised.examples,
         minimal=minimised.one_minimal,
-        interaction=_interaction(minimised, size, located.mixing, located.found.rows, subset_rows),
-        replays=located.replays + trial_replays,
+        interaction=_interaction(
+            minimised, size, located.mixing, located.found.rows, searched.rows
+        ),
+        replays=located.replays + searched.replays,
         trials=minimised.trials,
         nonfinite_rows=None if located.found.rows is None else tuple(sorted(located.found.rows)),
         notes=tuple(notes),
