@@ -277,19 +277,20 @@ class Sentinel:
         is never a recovery point."""
         if self._step is not None:
             raise RuntimeError("checkpointed() between a forward and its optimizer step")
-        self._resolve_pending(checkpointing=checkpoint_id)
+        parts = list(verified_together)
         at = self.last_step if step is None else step
-        point = recovery_point(checkpoint_id, at, verified_together)
+        point = recovery_point(checkpoint_id, at, parts)
         if point is None:
             alert = Alert(
                 "CHECKPOINT_NOT_RECOVERY_POINT",
-                f"checkpoint {checkpoint_id} verified {sorted(verified_together)}, not all five"
-                f" parts; the last known-good state stays {self.last_known_good['checkpoint_id']}",
+                f"checkpoint {checkpoint_id} verified {sorted(parts)}, not all five parts;"
+                f" the last known-good state stays {self.last_known_good['checkpoint_id']}",
             )
-            self._carry.append(alert)
-            log.warning("%s: %s", alert.code, alert.message)
-            return
-        self.last_known_good = point
+            # On the line of the step the checkpoint follows, when it is still unwritten.
+            (self._pending.warnings if self._pending is not None else self._carry).append(alert)
+        self._resolve_pending(checkpointing=checkpoint_id)  # raises on a non-finite update
+        if point is not None:
+            self.last_known_good = point
 
     def close(self) -> None:
         """Check the last update, write its line, and take the wrappers off."""
@@ -538,8 +539,7 @@ class Sentinel:
             return _STOP
         if self.policy == "skip" and not must_hold:
             reason = f"{reason}; {skips} consecutive skipped steps"
-        self._hold(step, reason, stage)
-        return _STOP  # not reached: _hold raises
+        raise self._hold(step, reason, stage)
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
@@ -547,7 +547,8 @@ class Sentinel:
             reset_scaler_step(self.scaler)
         self._skip_rest = True
 
-    def _hold(self, step: StepRecord, reason: str, stage: str) -> None:
+    def _hold(self, step: StepRecord, reason: str, stage: str) -> SentinelHold:
+        """Capture the step's bundle, write its line; the exception to raise."""
         captured = capture_step(
             self.objects,
             self.facts,
@@ -559,7 +560,7 @@ class Sentinel:
         step.buffers.restore()  # whatever the replay's compute_loss touched
         self._finish(step, held=True, bundle=captured.bundle)
         report = captured.report
-        raise SentinelHold(
+        return SentinelHold(
             step=step.number,
             reason=reason,
             stage=report.decision.earliest_nonfinite_stage if report is not None else stage,
@@ -628,10 +629,10 @@ class Sentinel:
                 current.warnings += self._early.skipped(True)
                 self._finish(current, skipped=True)
             return False
+        hold = self._hold(previous, reason + "; rolled back to the pre-step snapshot", "optimizer")
         if current is not None:
             self._finish(current, skipped=True)
-        self._hold(previous, reason + "; rolled back to the pre-step snapshot", "optimizer")
-        return False
+        raise hold
 
     def _contaminated(self, previous: StepRecord, current: StepRecord | None, reason: str) -> None:
         self._finish(previous, held=True)
