@@ -519,7 +519,9 @@ def test_readme_lists_the_public_api() -> None:
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
     # capture.torch needs torch to import; read its __all__ from the source instead.
-    torch_module = ast.parse((ROOT / "nanrunbook" / "capture" / "torch.py").read_text())
+    torch_module = ast.parse(
+        (ROOT / "nanrunbook" / "capture" / "torch" / "__init__.py").read_text()
+    )
     for node in torch_module.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
