@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanrunbook.capture.torch import probe
+
 
 class Normalise(nn.Module):
     """Per-example standardisation written by hand: a constant row has std 0."""
@@ -186,3 +188,18 @@ class GuardedNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
+
+
+class ProbedAttention(FunctionalAttention):
+    """The inline exp marked by a named probe, as model code would mark it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = probe("attn.scores", self.q(x) @ self.k(x).transpose(-1, -2))
+        weights = probe("attn.weights", torch.exp(scores))
+        return (weights / weights.sum(-1, keepdim=True)) @ self.v(x)
+
+
+class ProbedAttnNet(FunctionalAttnNet):
+    def __init__(self, dim: int = 8, classes: int = 3) -> None:
+        super().__init__(dim, classes)
+        self.attn = ProbedAttention(dim)

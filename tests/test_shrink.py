@@ -26,17 +26,22 @@ from torch import nn
 from nanrunbook import check_bundle
 from nanrunbook.capture.ddmin import ddmin
 from nanrunbook.capture.findings import OpKey
-from nanrunbook.capture.fixture import FixtureError, write_fixture
-from nanrunbook.capture.locate import FailingStep
-from nanrunbook.capture.shrink import ShrinkError, ShrinkOnHold, shrink
+from nanrunbook.capture.torch import fixture as fixture_module
 from nanrunbook.capture.torch import tensor_to_raw
+from nanrunbook.capture.torch.fixture import FixtureError, write_fixture
+from nanrunbook.capture.torch.locate import FailingStep
+from nanrunbook.capture.torch.shrink import ShrinkError, ShrinkOnHold, shrink
 from tests import shrink_models as sm
 
 ROOT = Path(__file__).resolve().parent.parent
 
 BUNDLE: dict[str, Any] = {
     "incident_owner": "ml-oncall",
-    "last_known_good": {"checkpoint_id": "ckpt-10", "step": 10},
+    "last_known_good": {
+        "checkpoint_id": "ckpt-10",
+        "step": 10,
+        "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
+    },
     "binding": {
         "checkpoint": {"id": "ckpt-10"},
         "data": {"id": "data-test"},
@@ -163,6 +168,16 @@ def functional_attention_step() -> FailingStep:
     )
 
 
+def probed_attention_step() -> FailingStep:
+    torch.manual_seed(0)
+    x = torch.randn(16, 5, 8, generator=gen(6)) * 0.5
+    x[3] *= 40
+    model = sm.ProbedAttnNet()
+    return FailingStep(
+        model, torch.optim.AdamW(model.parameters()), sm.batch_of(x, 3), sm.xent_bf16
+    )
+
+
 def siamese_step() -> FailingStep:
     torch.manual_seed(0)
     x, x2 = torch.randn(16, 8, generator=gen(7)), torch.randn(16, 8, generator=gen(8))
@@ -189,6 +204,7 @@ SCENARIOS = {
     "sqrt": (sqrt_step, {}),
     "bce": (bce_step, {}),
     "fattention": (functional_attention_step, {}),
+    "probed": (probed_attention_step, {}),
     "siamese": (siamese_step, {}),
     "guarded": (guarded_step, {}),
 }
@@ -294,6 +310,23 @@ def test_exp_inside_a_module_is_found_at_its_function(shrunk: Any) -> None:
     assert op.key == OpKey("function", "attn", 1, "torch.exp", 1)
     assert op.describe() == "torch.exp in module 'attn'" and op.autocast == "cpu:bfloat16"
     assert result.examples == (3,)
+
+
+def test_bf16_exp_overflow_marked_by_a_named_probe_is_the_probes_operation(shrunk: Any) -> None:
+    _, result = shrunk["probed"]
+    op = result.operation
+    assert op.stage == "forward"
+    assert op.key == OpKey("probe", "attn", 1, "attn.weights", 1)
+    assert op.made_by == OpKey("function", "attn", 1, "torch.exp", 1)
+    assert op.describe() == "probe 'attn.weights' in module 'attn', made by torch.exp"
+    assert op.autocast == "cpu:bfloat16" and op.made_here
+    (scores,) = op.inputs  # what the exp saw: the bf16 scores, finite and large
+    assert scores.dtype == "bfloat16" and scores.nonfinite == 0 and scores.finite_max_abs > 88.7
+    assert op.outputs[0].posinf > 0
+    assert result.examples == (3,) and result.replays == 3  # survey, made-by survey, one trial
+    document = json.loads((shrunk["root"] / "probed" / "fixture.json").read_text())
+    assert document["operation"]["made_by"] == "torch.exp in module 'attn'"
+    assert document["program"]["current"]["class"] == "tests.shrink_models.ProbedAttention"
 
 
 def test_backward_of_a_function_in_compute_loss(shrunk: Any) -> None:
@@ -567,7 +600,7 @@ def test_the_hold_hook_writes_the_fixture_or_logs_why_not(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     hook = ShrinkOnHold(max_replays=8)
-    caplog.set_level(logging.INFO, logger="nanrunbook.capture.shrink")
+    caplog.set_level(logging.INFO, logger="nanrunbook.capture.torch.shrink")
     result = hook(sqrt_step(), stage="backward", incident=tmp_path, bundle=identity("run-hook"))
     assert result is not None and result.fixture == str(tmp_path / "shrink")
     assert (
@@ -591,7 +624,7 @@ def test_a_stage_the_replay_does_not_reach_is_refused() -> None:
         shrink(norm_step(), fixture="/nonexistent/fx")
 
 
-def test_the_fixture_is_written_atomically(tmp_path: Path) -> None:
+def test_the_fixture_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     step = norm_step()
     result = shrink(step)
     target = tmp_path / "fx"
@@ -600,9 +633,17 @@ def test_the_fixture_is_written_atomically(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         write_fixture(target, step, result, bundle=identity("run-atomic"))
     assert [p.name for p in target.iterdir()] == ["keep"]
-    broken = {**identity("run-atomic"), "binding": {}}  # replay_step refuses: no bundle
-    with pytest.raises(ValueError, match="binding needs"):
+    broken = {**identity("run-atomic"), "binding": {}}
+    with pytest.raises(FixtureError, match="bundle needs checkpoint, data, loader_cursor"):
         write_fixture(tmp_path / "new", step, result, bundle=broken)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt  # as if Ctrl-C came while the bundle was replayed
+
+    monkeypatch.setattr(fixture_module, "_bundle", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_fixture(tmp_path / "new", step, result, bundle=identity("run-atomic"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fx"]  # no temporary left behind
+    monkeypatch.undo()
     with pytest.raises(FixtureError, match="did not go non-finite again"):
         write_fixture(tmp_path / "other", step, shrink(norm_step(bad=3)), bundle=identity("r"))

@@ -23,10 +23,11 @@ class OpKey:
 
     ``kind`` is ``module`` (a module call: ``path`` and its forward ``call``
     number from 1, or for a backward operation the module's ``call``-th backward
-    firing) or ``function`` (a torch function called directly by the code of the
+    firing), ``function`` (a torch function called directly by the code of the
     module call ``path``/``call``; ``call`` 0 is code outside every module, such
     as the loss in ``compute_loss``), its ``occurrence``-th call of ``function``
-    there.
+    there, or ``probe`` (the named probe ``function``, its ``occurrence``-th
+    call in that code: it marks the operation just before it).
     """
 
     kind: str
@@ -45,7 +46,8 @@ class OpKey:
             where = "compute_loss" if self.call == 0 else f"module '{self.path or '(root)'}'"
             where += f" (call {self.call})" if self.call > 1 else ""
             nth = f" (#{self.occurrence})" if self.occurrence > 1 else ""
-            text = f"{self.function}{nth} in {where}"
+            name = f"probe '{self.function}'" if self.kind == "probe" else self.function
+            text = f"{name}{nth} in {where}"
         return f"backward of {text}" if self.backward else text
 
 
@@ -96,7 +98,9 @@ class Operation:
     (``made_here`` false). ``inputs`` are its inputs; ``outputs`` its outputs
     (forward) or the gradients it produced (backward), and ``grad_outputs`` the
     finite gradients it received (backward only). ``autocast`` is
-    ``device:dtype`` when it ran under autocast.
+    ``device:dtype`` when it ran under autocast. For a named probe, ``made_by``
+    is the torch function before it that made the value (the fixture's program),
+    when one did.
     """
 
     stage: str
@@ -107,8 +111,12 @@ class Operation:
     outputs: tuple[TensorFacts, ...]
     grad_outputs: tuple[TensorFacts, ...] = ()
     autocast: str | None = None
+    made_by: OpKey | None = None
 
     def describe(self) -> str:
+        if self.key.kind == "probe":
+            made = f", made by {self.made_by.function}" if self.made_by else ""
+            return f"{self.key.describe()}{made}"
         if self.key.kind == "function":
             return self.key.describe()
         return f"{self.key.describe()} ({self.type_name})"

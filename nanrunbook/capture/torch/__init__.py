@@ -17,6 +17,10 @@ this package, and importing it registers torch tensors with the (framework-free)
   without an update"), and captures its five boundaries.
 * :func:`probe` names a tensor made between modules so that a replay captures it
   in execution order.
+* :func:`shrink_step` shrinks a failing step by replays on copies: the first
+  operation that went non-finite, a smallest batch of examples for it, and
+  optionally a regression fixture; :class:`ShrinkOnHold` is the sentinel's
+  hook for the same on a hold.
 """
 
 from nanrunbook.capture.incident import SentinelHold
@@ -25,13 +29,17 @@ from nanrunbook.capture.torch.convert import TORCH_DTYPES, tensor_to_raw
 from nanrunbook.capture.torch.recording import probe
 from nanrunbook.capture.torch.replay import replay_step
 from nanrunbook.capture.torch.sentinel import Sentinel
+from nanrunbook.capture.torch.shrink import FailingStep, ShrinkOnHold, shrink_step
 
 __all__ = [
     "TORCH_DTYPES",
+    "FailingStep",
     "Sentinel",
     "SentinelHold",
+    "ShrinkOnHold",
     "Thresholds",
     "probe",
     "replay_step",
+    "shrink_step",
     "tensor_to_raw",
 ]

@@ -13,7 +13,7 @@ and RNG state are never touched):
 2. Delta debugging over the batch dimension finds a smallest subset of the
    examples on which that same operation still goes non-finite, trying first
    the rows where its result went non-finite.
-3. Optionally, a fixture (:mod:`nanrunbook.capture.fixture`).
+3. Optionally, a fixture (:mod:`nanrunbook.capture.torch.fixture`).
 
 Needs torch (``nanrunbook[torch]``).
 """
@@ -30,7 +30,7 @@ import torch
 
 from nanrunbook.capture.ddmin import Minimised, ddmin
 from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError
-from nanrunbook.capture.locate import (
+from nanrunbook.capture.torch.locate import (
     FailingStep,
     Found,
     FunctionProbe,
@@ -58,6 +58,7 @@ class _Located:
     replays: int
     notes: tuple[str, ...]
     mixing: tuple[str, ...]  # batch-statistics modules that ran before the operation
+    made_by: OpKey | None = None  # for a named probe: the function that made its value
 
 
 def _uses_batch_statistics(module: Any) -> bool:
@@ -68,7 +69,7 @@ def _uses_batch_statistics(module: Any) -> bool:
 def _stage(batch_bad: bool, probe: ModuleProbe, ran: Any) -> str | None:
     if batch_bad:
         return "input"
-    if probe.leaf_nonfinite:
+    if probe.forward_nonfinite:
         return "forward"
     if ran.loss_finite is False:
         return "loss"
@@ -104,9 +105,47 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
     mixing = tuple(
         p or "(root)" for p in dict.fromkeys(survey.completed) if _uses_batch_statistics(names[p])
     )
+    if module is not None and module.key.kind == "probe":
+        return _made_by(step, size, stage, module, batch_bad, mixing)
     if module is not None and module.leaf:
         return _Located(stage, module, 1, (), mixing)
     return _refine(step, size, stage, module, survey, batch_bad, mixing)
+
+
+def _function_survey(
+    step: FailingStep,
+    size: int,
+    within: tuple[str, int | None],
+    batch_bad: bool,
+    backward: bool,
+) -> FunctionProbe:
+    probes: list[FunctionProbe] = []
+
+    def attach(model: Any) -> list[Any]:
+        probes.append(FunctionProbe(model, batch_size=size, within=within, passing_on=batch_bad))
+        return probes
+
+    replay(step, None, attach, backward=backward)
+    return probes[0]
+
+
+def _made_by(
+    step: FailingStep,
+    size: int,
+    stage: str,
+    found: Found,
+    batch_bad: bool,
+    mixing: tuple[str, ...],
+) -> _Located:
+    """A named probe is the answer; the torch function before it that made its
+    value, in the same code, is what the fixture pins."""
+    made = _function_survey(step, size, (found.key.path, found.key.call), batch_bad, False).forward
+    if made is None:
+        note = "no torch function called directly before the probe made its value"
+        return _Located(stage, found, 2, (note,), mixing)
+    # the probe's operation saw what the function that made its value saw
+    found = replace(found, inputs=made.inputs, autocast=made.autocast or found.autocast)
+    return _Located(stage, found, 2, (), mixing, made.key)
 
 
 def _refine(
@@ -123,14 +162,8 @@ def _refine(
         within: tuple[str, int | None] = ("", 0)
     else:
         within = (module.key.path, None if backward else module.key.call)
-    probes: list[FunctionProbe] = []
-
-    def attach(model: Any) -> list[Any]:
-        probes.append(FunctionProbe(model, batch_size=size, within=within, passing_on=batch_bad))
-        return probes
-
-    replay(step, None, attach, backward=backward)
-    function = probes[0].backward if backward else probes[0].forward
+    functions = _function_survey(step, size, within, batch_bad, backward)
+    function = functions.backward if backward else functions.forward
     if function is not None:
         return _Located(stage, function, 2, (), mixing)
     if module is not None:
@@ -153,7 +186,7 @@ def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on:
     size = len(examples)
 
     def attach(model: Any) -> list[Any]:
-        if key.kind == "module":
+        if key.kind in ("module", "probe"):
             probe: Any = ModuleProbe(
                 model, batch_size=size, target=key, passing_on=passing_on, backward=key.backward
             )
@@ -258,6 +291,7 @@ def _operation(located: _Located) -> Operation:
         outputs=found.outputs,
         grad_outputs=found.grad_outputs,
         autocast=autocast,
+        made_by=located.made_by,
     )
 
 
@@ -282,7 +316,7 @@ def shrink(
     rows where the operation went non-finite.
 
     With ``fixture`` a directory is written there (see
-    :func:`nanrunbook.capture.fixture.write_fixture`); ``bundle`` then gives
+    :func:`nanrunbook.capture.torch.fixture.write_fixture`); ``bundle`` then gives
     :func:`~nanrunbook.capture.torch.replay_step`'s identity arguments (run_id,
     step, incident_owner, last_known_good, binding, and optionally owners) for
     its bundle. Raises ShrinkError with a one-line reason when there is no
@@ -315,7 +349,7 @@ def shrink(
         return result
     if bundle is None:
         raise ShrinkError("a fixture needs bundle= (replay_step's run_id, step, owners, binding)")
-    from nanrunbook.capture.fixture import write_fixture
+    from nanrunbook.capture.torch.fixture import write_fixture
 
     path = write_fixture(
         fixture, step, result, bundle=bundle, drop_names=drop_names, overwrite=overwrite

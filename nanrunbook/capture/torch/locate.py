@@ -22,7 +22,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nanrunbook.capture.findings import OpKey, ShrinkError, TensorFacts
-from nanrunbook.capture.torch import _clone, _flatten
+from nanrunbook.capture.torch.binding import cuda_devices
+from nanrunbook.capture.torch.copies import clone_batch, copy_scaler, flatten
+from nanrunbook.capture.torch.recording import _listening as listening
+from nanrunbook.capture.torch.replay import RngState
 
 __all__ = [
     "Captured",
@@ -101,7 +104,7 @@ def nonfinite_rows(value: Any, size: int) -> frozenset[int] | None:
     """Indices along dimension 0 holding a non-finite element, over the floating
     tensors of ``value`` whose first dimension is ``size``; None when none has it."""
     rows: set[int] | None = None
-    for _, tensor in _flatten(value, ""):
+    for _, tensor in flatten(value, ""):
         if not _floating(tensor) or tensor.dim() == 0 or tensor.shape[0] != size:
             continue
         bad = ~torch.isfinite(_as_checkable(tensor)).reshape(size, -1).all(dim=1)
@@ -140,9 +143,7 @@ def facts(name: str, tensor: Any) -> TensorFacts:
 
 
 def _named_facts(prefix: str, value: Any) -> tuple[TensorFacts, ...]:
-    return tuple(
-        facts(f"{prefix}/{name}" if name else prefix, t) for name, t in _flatten(value, "")
-    )
+    return tuple(facts(f"{prefix}/{name}" if name else prefix, t) for name, t in flatten(value, ""))
 
 
 def _inputs_facts(inputs: tuple[Any, Any]) -> tuple[TensorFacts, ...]:
@@ -163,7 +164,7 @@ def _in_place(name: str) -> bool:
 
 def autocast_state(value: Any) -> tuple[str, str] | None:
     """(device type, dtype) of the autocast in force for the tensors of ``value``."""
-    devices = [t.device.type for _, t in _flatten(value, "")] or ["cpu"]
+    devices = [t.device.type for _, t in flatten(value, "")] or ["cpu"]
     device = devices[0]
     try:
         if torch.is_autocast_enabled(device):
@@ -175,7 +176,7 @@ def autocast_state(value: Any) -> tuple[str, str] | None:
 
 def requires_grad_flags(value: Any) -> list[bool]:
     """Whether each tensor of ``value``, in order, requires grad."""
-    return [bool(t.requires_grad) for _, t in _flatten(value, "")]
+    return [bool(t.requires_grad) for _, t in flatten(value, "")]
 
 
 # --------------------------------------------------------------------- results
@@ -219,22 +220,37 @@ class Captured:
 # --------------------------------------------------------------------- modules
 
 
+@dataclass
+class _Frame:
+    """One module call in progress (call 0: the code outside every module)."""
+
+    path: str
+    call: int
+    finite_in: bool | None  # None: not judged
+    autocast: tuple[str, str] | None
+    clean: bool = True  # everything seen inside it so far was finite
+    probes: dict[str, int] = field(default_factory=dict)
+
+
 class ModuleProbe:
-    """Hooks on every module of a model copy, removed by :meth:`remove`.
+    """Hooks on every module of a model copy, and the named-probe sink; removed
+    by :meth:`remove`, the sink listening only inside :meth:`context`.
 
     ``target`` None surveys: :attr:`forward` is the first module call whose
     output is non-finite while its inputs and its parameters and buffers are
-    finite (with ``passing_on``, for an input stage, the first whose output is
-    non-finite at all), :attr:`leaf_nonfinite` whether a leaf module's output
-    was (the forward stage), and :attr:`backward` the first module, in backward
-    order, whose input gradients or own parameters' gradients go non-finite
-    while its output gradients are finite. With a ``target`` only that call is
-    judged: :attr:`reproduced` and :attr:`rows`; a forward target stops the
-    replay (raises :class:`Stop`) once it has run, unless ``stop`` is false. ``capture`` keeps the
-    target's state, inputs and incoming gradients in :attr:`captured`; for a
-    backward target every forward call of the module is kept and
-    :meth:`captured_call` picks the one whose backward it was (backward runs
-    a module's calls in reverse order).
+    finite, or the first named probe whose value is non-finite while everything
+    its module call saw before it was finite (with ``passing_on``, for an input
+    stage: the first non-finite output or value at all);
+    :attr:`forward_nonfinite` says whether a leaf module's output or a probe's
+    value was (the forward stage); :attr:`backward` is the first module, in
+    backward order, whose input gradients or own parameters' gradients go
+    non-finite while its output gradients are finite. With a ``target`` only
+    that call or probe is judged: :attr:`reproduced` and :attr:`rows`; a
+    forward target stops the replay (raises :class:`Stop`) once it has run,
+    unless ``stop`` is false. ``capture`` keeps the target module's state,
+    inputs and incoming gradients; for a backward target every forward call of
+    the module is kept and :meth:`captured_call` picks the one whose backward
+    it was (backward runs a module's calls in reverse order).
     """
 
     def __init__(
@@ -254,7 +270,7 @@ class ModuleProbe:
         self._stop = stop
         self.forward: Found | None = None
         self.backward: Found | None = None
-        self.leaf_nonfinite = False
+        self.forward_nonfinite = False
         self.reproduced = False
         self.rows: frozenset[int] | None = None
         self.first_bad_grad_output: str | None = None
@@ -264,7 +280,10 @@ class ModuleProbe:
         self._inputs: dict[tuple[str, int], tuple[Any, Any]] = {}  # survey: for backward facts
         self._calls: dict[str, int] = {}
         self._fires: dict[str, int] = {}
-        self._frames: list[tuple[int, bool | None, Any]] = []
+        watches_probes = target is None or target.kind == "probe"
+        top = not passing_on if watches_probes else None
+        self._frames: list[_Frame] = [_Frame("", 0, top, None)]
+        self._listen = watches_probes
         self.completed: list[str] = []  # module paths in the order their forward ended
         self._grad_out: dict[str, tuple[int, bool, Any]] = {}
         self._state_ok: dict[str, bool] = {}
@@ -273,6 +292,8 @@ class ModuleProbe:
         for path, module in model.named_modules():
             if target is None or (target.kind == "module" and target.path == path):
                 self._attach(path, module, backward)
+            elif target.kind == "probe":  # module calls say which call a probe is in
+                self._attach(path, module, False)
 
     def _attach(self, path: str, module: Any, backward: bool) -> None:
         self._handles.append(
@@ -291,6 +312,10 @@ class ModuleProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def context(self) -> AbstractContextManager[Any]:
+        """Where named probes are heard: around the forward."""
+        return listening(self._on_probe) if self._listen else nullcontext()
 
     def calls(self, path: str) -> int:
         """How many times the module at ``path`` ran forward in this replay."""
@@ -315,7 +340,7 @@ class ModuleProbe:
         t = self.target
         if t is None:
             return (self.backward if backward else self.forward) is None
-        return t.backward == backward and t.path == path and t.call == call
+        return t.backward == backward and t.path == path and t.call == call  # a probe's call too
 
     def _state_finite(self, path: str, module: Any) -> bool:
         if path not in self._state_ok:
@@ -333,33 +358,37 @@ class ModuleProbe:
             autocast = autocast_state((args, kwargs))
             if self.target is None:
                 self._inputs[(path, call)] = (args, kwargs)
-            if self._capture and (self.target.backward or self.target.call == call):  # type: ignore[union-attr]
+            t = self.target
+            if self._capture and t is not None and (t.backward or t.call == call):
                 self._kept[call] = Captured(
                     OpKey("module", path, call),
                     state={k: v.detach().clone() for k, v in module.state_dict().items()},
-                    args=_clone(args),
-                    kwargs=_clone(kwargs),
+                    args=clone_batch(args),
+                    kwargs=clone_batch(kwargs),
                     requires_grad=requires_grad_flags((args, kwargs)),
                     autocast=autocast,
                     rng_state=torch.get_rng_state(),
                 )
-            self._frames.append((call, finite_in, autocast))
+            self._frames.append(_Frame(path, call, finite_in, autocast))
 
         return hook
 
     def _post(self, path: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            call, finite_in, autocast = self._frames.pop()
+            frame = self._frames.pop()
+            call, finite_in, autocast = frame.call, frame.finite_in, frame.autocast
             if self.target is None and self.forward is None:
                 self.completed.append(path)
             if call in self._kept:
-                self._kept[call].output = _clone(output)
+                self._kept[call].output = clone_batch(output)
             out_ok = True
-            if finite_in is not None or (path in self._leaves and not self.leaf_nonfinite):
+            if finite_in is not None or (path in self._leaves and not self.forward_nonfinite):
                 out_ok = all_finite(output)
             if path in self._leaves and not out_ok:
-                self.leaf_nonfinite = True
-            if finite_in is None:
+                self.forward_nonfinite = True
+            parent = self._frames[-1]
+            parent.clean = parent.clean and out_ok and finite_in is not False
+            if finite_in is None or (self.target is not None and self.target.kind != "module"):
                 return
             bad = not out_ok and (finite_in or self.passing_on)
             if self.target is not None:
@@ -382,6 +411,36 @@ class ModuleProbe:
 
         return hook
 
+    def _on_probe(self, name: str, value: Any) -> None:
+        frame = self._frames[-1]
+        count = frame.probes[name] = frame.probes.get(name, 0) + 1
+        key = OpKey("probe", frame.path, frame.call, name, count)
+        if self.target is not None and self.target != key:
+            return
+        ok = all_finite(value)
+        made = bool(frame.finite_in and frame.clean)
+        bad = not ok and (made or self.passing_on)
+        if self.target is not None:
+            self.reproduced, self.rows = bad, nonfinite_rows(value, self.batch_size)
+            if self._stop:
+                raise Stop
+            return
+        self.forward_nonfinite = self.forward_nonfinite or not ok
+        frame.clean = frame.clean and ok
+        if bad and self.forward is None:
+            inputs = self._inputs.get((frame.path, frame.call))
+            self.forward = Found(
+                key,
+                "probe",
+                True,
+                made,
+                () if inputs is None else _inputs_facts(inputs),
+                _named_facts("value", value),
+                (),
+                nonfinite_rows(value, self.batch_size),
+                autocast_state(value),
+            )
+
     # backward ------------------------------------------------------------
 
     def _bpre(self, path: str) -> Callable[..., None]:
@@ -392,7 +451,7 @@ class ModuleProbe:
                 self.first_bad_grad_output = path or "(root)"
             self._grad_out[path] = (fire, ok, grad_output)
             if self._capture:
-                self._grad_outputs[fire] = _clone(grad_output)
+                self._grad_outputs[fire] = clone_batch(grad_output)
 
         return hook
 
@@ -527,6 +586,10 @@ class FunctionProbe(TorchFunctionMode):
         self._calls = _CallStack(model)
         self._node_hooks: list[Any] = []
 
+    def context(self) -> AbstractContextManager[Any]:
+        """The mode itself: torch functions are seen only inside it (the forward)."""
+        return self
+
     def remove(self) -> None:
         self._calls.remove()
         for handle in self._node_hooks:
@@ -559,22 +622,22 @@ class FunctionProbe(TorchFunctionMode):
             return func(*args, **kwargs)
         finite_in = all_finite((args, kwargs))
         # An in-place function rewrites its arguments: keep them as they came in.
-        inputs = _clone((args, kwargs)) if _in_place(name) else (args, kwargs)
+        inputs = clone_batch((args, kwargs)) if _in_place(name) else (args, kwargs)
         autocast = autocast_state((args, kwargs))
         if self._capture:
             self.model_calls_before = self._calls.model_calls_done
             self.captured = Captured(
                 key,
                 function=func,
-                args=_clone(args),
-                kwargs=_clone(kwargs),
+                args=clone_batch(args),
+                kwargs=clone_batch(kwargs),
                 requires_grad=requires_grad_flags((args, kwargs)),
                 autocast=autocast,
                 rng_state=torch.get_rng_state(),
             )
         out = func(*args, **kwargs)
         if self.captured is not None and self.captured.key == key:
-            self.captured.output = _clone(out)
+            self.captured.output = clone_batch(out)
         if self.target is None or not self.target.backward:
             self._judge_forward(key, out, finite_in, inputs, autocast)
         if self.watch_nodes and finite_in:
@@ -598,7 +661,7 @@ class FunctionProbe(TorchFunctionMode):
             )  # fmt: skip
 
     def _watch_nodes(self, key: OpKey, out: Any, inputs: Any) -> None:
-        nodes = {id(t.grad_fn): t.grad_fn for _, t in _flatten(out, "") if t.grad_fn is not None}
+        nodes = {id(t.grad_fn): t.grad_fn for _, t in flatten(out, "") if t.grad_fn is not None}
         for node in nodes.values():
             self._node_hooks.append(node.register_hook(self._node_hook(key, inputs)))
 
@@ -607,7 +670,7 @@ class FunctionProbe(TorchFunctionMode):
 
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
             if self.captured is not None and self.captured.key == key:
-                self.captured.grad_output = _clone(grad_outputs)
+                self.captured.grad_output = clone_batch(grad_outputs)
             if not all_finite(grad_outputs) or all_finite(grad_inputs):
                 return
             rows = nonfinite_rows(grad_inputs, self.batch_size)
@@ -630,11 +693,14 @@ class FunctionProbe(TorchFunctionMode):
 class FailingStep:
     """The failing step as the loop ran it, which every replay starts from.
 
-    ``compute_loss(model, batch)`` is the loop's forward, autocast included.
+    ``compute_loss(model, batch)`` is the loop's forward and loss; ``autocast``
+    the autocast regions the loop opened around it (each with ``device_type``,
+    ``dtype`` and optionally ``cache_enabled``, as the sentinel's ``Autocast``;
+    none when compute_loss opens its own).
     ``scaler`` (a ``torch.amp.GradScaler``) or ``loss_scale`` (a static scale)
     scales the loss before backward as the loop did. ``rng_state`` is
-    ``torch.get_rng_state()`` taken before the forward (every replay starts
-    from it). ``select(batch, examples)`` returns the batch restricted to the
+    ``torch.get_rng_state()`` (or the sentinel's ``RngState``) taken before the
+    forward: every replay starts from it. ``select(batch, examples)`` returns the batch restricted to the
     given indices; by default every tensor whose first dimension is the batch
     size is indexed along it. ``batch_size`` defaults to the first dimension of
     the batch's first tensor.
@@ -649,6 +715,12 @@ class FailingStep:
     rng_state: Any = None
     select: Callable[[Any, tuple[int, ...]], Any] | None = None
     batch_size: int | None = None
+    autocast: tuple[Any, ...] = ()
+
+
+def _autocast(region: Any) -> AbstractContextManager[Any]:
+    cache = getattr(region, "cache_enabled", None)
+    return torch.autocast(region.device_type, dtype=region.dtype, cache_enabled=cache)
 
 
 def resolved(step: FailingStep) -> FailingStep:
@@ -656,13 +728,17 @@ def resolved(step: FailingStep) -> FailingStep:
     none was given: every later replay starts from the same one)."""
     size = step.batch_size
     if size is None:
-        tensors = [t for _, t in _flatten(step.batch, "")]
+        tensors = [t for _, t in flatten(step.batch, "")]
         if not tensors or tensors[0].dim() == 0:
             raise ShrinkError("the batch's first tensor has no batch dimension: pass batch_size")
         size = int(tensors[0].shape[0])
     if size < 1:
         raise ShrinkError("batch_size must be at least 1")
-    state = torch.get_rng_state() if step.rng_state is None else step.rng_state
+    state = step.rng_state
+    if state is None:
+        state = RngState.now()
+    elif not isinstance(state, RngState):
+        state = RngState(state)  # a torch.get_rng_state() tensor
     return replace(step, batch_size=size, rng_state=state)
 
 
@@ -712,9 +788,7 @@ class Ran:
 
 def _scaled(step: FailingStep, loss: Any) -> Any:
     if step.scaler is not None and step.scaler.is_enabled():
-        from nanrunbook.capture.torch import _copy_scaler
-
-        return _copy_scaler(step.scaler).scale(loss)
+        return copy_scaler(step.scaler).scale(loss)
     return loss if step.loss_scale is None else loss * step.loss_scale
 
 
@@ -728,29 +802,29 @@ def replay(
     """One replay on a fresh copy of the model and a clone of the batch (or of
     the given examples), from the step's RNG state; the caller's model, batch
     and RNG are left as they were. ``probes(copy)`` attaches the probes
-    (function probes are entered as modes around the forward only) and every
-    one is removed afterwards, exceptions included. Backward runs, scaled as
+    (each probe's ``context()`` is entered around the forward only: function
+    modes, the named-probe sink) and every one is removed afterwards,
+    exceptions included. Backward runs, scaled as
     the loop scaled it, when asked and the loss is finite."""
-    from nanrunbook.capture.torch import _cuda_devices
-
     model = _prepared_copy(step.model)
     size = step.batch_size or 0
     if examples is None:
-        batch = _clone(step.batch)
+        batch = clone_batch(step.batch)
     elif step.select is not None:
-        batch = _clone(step.select(step.batch, examples))
+        batch = clone_batch(step.select(step.batch, examples))
     else:
-        batch = _clone(select_examples(step.batch, examples, size))
+        batch = clone_batch(select_examples(step.batch, examples, size))
     attached = probes(model)
     loss_finite = grads_finite = None
-    with torch.random.fork_rng(devices=_cuda_devices()), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=cuda_devices()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
-        torch.set_rng_state(step.rng_state)
+        step.rng_state.restore()
         try:
-            with ExitStack() as modes:
+            with ExitStack() as around:
+                for region in step.autocast:
+                    around.enter_context(_autocast(region))
                 for probe in attached:
-                    if isinstance(probe, TorchFunctionMode):
-                        modes.enter_context(probe)
+                    around.enter_context(probe.context())
                 loss = step.compute_loss(model, batch)
             loss_finite = all_finite(loss)
             if backward and loss_finite:

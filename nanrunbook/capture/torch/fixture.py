@@ -27,7 +27,7 @@ import math
 import re
 import warnings
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,18 +38,21 @@ import torch
 from nanrunbook._version import __version__
 from nanrunbook.capture.atomic import atomic_directory, write_synced
 from nanrunbook.capture.findings import OpKey, Shrink
-from nanrunbook.capture.fixture_template import TEST_SOURCE
-from nanrunbook.capture.locate import (
+from nanrunbook.capture.torch.convert import tensor_to_raw
+from nanrunbook.capture.torch.copies import clone_batch, flatten
+from nanrunbook.capture.torch.fixture_template import TEST_SOURCE
+from nanrunbook.capture.torch.locate import (
     Captured,
     FailingStep,
     FunctionProbe,
     ModuleProbe,
+    all_finite,
     replay,
     requires_grad_flags,
     resolved,
     select_examples,
 )
-from nanrunbook.capture.torch import _clone, _flatten, tensor_to_raw
+from nanrunbook.records import STAGE_ORDER
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
 __all__ = ["FIXTURE_FORMAT", "FixtureError", "write_fixture"]
@@ -78,8 +81,11 @@ class _ModelCalls:
         self._handle = model.register_forward_hook(self._hook)
 
     def _hook(self, module: Any, args: Any, output: Any) -> None:
-        self.outputs.append(_clone(output))
+        self.outputs.append(clone_batch(output))
         self.requires_grad.append(requires_grad_flags(output))
+
+    def context(self) -> AbstractContextManager[Any]:
+        return nullcontext()
 
     def remove(self) -> None:
         self._handle.remove()
@@ -116,8 +122,14 @@ def _probes(key: OpKey, size: int, passing_on: bool, model: Any) -> list[Any]:
 def _capture(step: FailingStep, result: Shrink) -> _Captures:
     """One replay of the shrunk examples: the operation's call and, for a
     function, the module call whose code called it or, in compute_loss, the
-    model's outputs (for the current-code test)."""
-    key = result.operation.key
+    model's outputs (for the current-code test). A named probe is pinned by
+    the function that made its value."""
+    key = result.operation.made_by or result.operation.key
+    if key.kind == "probe":
+        raise FixtureError(
+            f"{result.operation.describe()}: no torch function before it made the value,"
+            " so there is no operation to pin"
+        )
     passing_on = result.operation.stage == "input"
     probes: list[Any] = []
 
@@ -373,8 +385,12 @@ def _loss_current(
     calls["loss"] = {
         "batch": _spec(structure[0], names, flags),
         "outputs": [_spec(o, names, flags) for o in structure[1]],
-        "rng_state": store.add("loss/rng_state", step.rng_state),
+        "rng_state": store.add("loss/rng_state", step.rng_state.cpu),
         "loss_scale": scale,
+        "autocast": [
+            {"device_type": r.device_type, "dtype": str(r.dtype).removeprefix("torch.")}
+            for r in step.autocast
+        ],
     }
     fn = step.compute_loss
     return {"kind": "compute_loss", "function": f"{fn.__module__}:{fn.__qualname__}"}, None
@@ -403,16 +419,16 @@ def _stand_in_reproduces(
     """What the generated test will do, done here first: compute_loss on the
     stand-in model gives a non-finite loss (or, backward, non-finite gradients
     of the model's outputs)."""
-    from nanrunbook.capture.locate import all_finite
-
-    outputs = _clone(outputs)
-    leaves = [t for _, t in _flatten(outputs, "") if t.is_floating_point()]
+    outputs = clone_batch(outputs)
+    leaves = [t for _, t in flatten(outputs, "") if t.is_floating_point()]
     for leaf in leaves:
         leaf.requires_grad_(backward)
     try:
-        with torch.random.fork_rng():
-            torch.set_rng_state(step.rng_state)
-            loss = step.compute_loss(_StandIn(outputs), _clone(batch))
+        with torch.random.fork_rng(), ExitStack() as around:
+            step.rng_state.restore()
+            for region in step.autocast:
+                around.enter_context(torch.autocast(region.device_type, dtype=region.dtype))
+            loss = step.compute_loss(_StandIn(outputs), clone_batch(batch))
             if not backward:
                 return not all_finite(loss)
             grads = torch.autograd.grad(loss * scale, leaves, allow_unused=True)
@@ -456,22 +472,48 @@ def _programs(
 
 
 def _bundle(path: Path, step: FailingStep, batch: Any, identity: Mapping[str, Any]) -> Any:
-    """The shrunk step's bundle, by replay_step, and the check's answer on it."""
-    from nanrunbook.capture.torch import replay_step
-    from nanrunbook.check import check_bundle
-
-    arguments = {k: v for k, v in identity.items() if k not in ("target", "overwrite")}
-    replay_step(
-        step.model,
-        step.optimizer,
-        batch,
-        step.compute_loss,
-        scaler=step.scaler,
-        rng_state=step.rng_state,
-        target=path,
-        **arguments,
+    """The shrunk step's bundle, replayed as the loop ran it (the same RNG state,
+    autocast regions and loss scaling), written, checked: the check's decision."""
+    from nanrunbook.capture.torch.replay import (
+        Autocast,
+        MicroBatch,
+        Scaling,
+        StepRecipe,
+        bind,
+        replay,
     )
-    return check_bundle(path).decision
+
+    if step.scaler is not None and step.scaler.is_enabled():
+        scaling = Scaling("dynamic", scaler=step.scaler)
+    elif step.loss_scale is not None:
+        scaling = Scaling("static", scale=step.loss_scale)
+    else:
+        scaling = Scaling()
+    regions = tuple(
+        Autocast(r.device_type, r.dtype, getattr(r, "cache_enabled", True)) for r in step.autocast
+    )
+    recipe = StepRecipe(
+        compute_loss=step.compute_loss,
+        micro_batches=(MicroBatch(batch, step.rng_state, regions),),
+        scaling=scaling,
+    )
+    owner = dict.fromkeys(STAGE_ORDER, identity["incident_owner"])
+    owner.update(identity.get("owners") or {})
+    names = ("run_id", "step", "incident_owner", "last_known_good")
+    replayed = replay(step.model, step.optimizer, recipe, owner, **{k: identity[k] for k in names})
+    bind(replayed, step.model, step.optimizer, identity["binding"])
+    return replayed.writer.write_checked(path).decision
+
+
+def _check_identity(identity: Mapping[str, Any]) -> None:
+    """Refuse, before any replay, bundle arguments the bundle cannot be made from."""
+    from nanrunbook.capture.torch.replay import _REQUIRED_BINDING
+
+    missing = [k for k in ("run_id", "step", "incident_owner", "last_known_good", "binding")
+               if k not in identity]  # fmt: skip
+    missing += [k for k in _REQUIRED_BINDING if k not in identity.get("binding", {})]
+    if missing:
+        raise FixtureError(f"the fixture's bundle needs {', '.join(missing)} in bundle=")
 
 
 def _json_safe(value: Any) -> Any:
@@ -536,6 +578,7 @@ def _operation_document(result: Shrink) -> dict[str, Any]:
         "type": op.type_name,
         "made_here": op.made_here,
         "autocast": op.autocast,
+        "made_by": op.made_by.describe() if op.made_by else None,
     }
 
 
@@ -630,6 +673,9 @@ def write_fixture(
     FileExistsError when ``target`` exists and ``overwrite`` is false.
     """
     target = Path(target)
+    _check_identity(bundle)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
     step = resolved(step)
     captures = _capture(step, result)
     if step.select is not None:

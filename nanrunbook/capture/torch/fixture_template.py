@@ -203,7 +203,12 @@ def run_compute_loss(function: str, call: dict[str, Any]) -> list[torch.Tensor]:
     batch = build(call["batch"], leaves)
     outputs = [build(spec, leaves) for spec in call["outputs"]]
     torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
-    loss = compute_loss(Recorded(outputs), batch)
+    with contextlib.ExitStack() as regions:  # the autocast the loop opened around it
+        for region in call["autocast"]:
+            regions.enter_context(
+                torch.autocast(region["device_type"], dtype=getattr(torch, region["dtype"]))
+            )
+        loss = compute_loss(Recorded(outputs), batch)
     if not OPERATION["backward"]:
         return flat(loss)
     wrt = [t for t in flat(outputs) if t.requires_grad]
