@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch that the capture API's tests and examples run on.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint fuzz bench install clean fixtures
+.PHONY: demo test lint fuzz bench bench-diff install clean fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ fixtures: $(VENV)/.installed
 # against one SHA-256 stream and naive torch. BENCH_ARGS="--size 4GiB --runs 3" for more.
 bench: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_check.py $(BENCH_ARGS)
+
+# `make bench-diff`: time `nanrunbook diff` of two 1 GiB bundles (a few tensors differ)
+# against checking both, same run. BENCH_ARGS="--runs 9" for more.
+bench-diff: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_diff.py $(BENCH_ARGS)
 
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.

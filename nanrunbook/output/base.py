@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["Renderer"]
 
@@ -40,3 +43,7 @@ class Renderer(ABC):
     @abstractmethod
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         """The contract document in force (``contract``)."""
+
+    @abstractmethod
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        """Two bundles compared (``diff``), or the rejection of one side or both."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
@@ -16,6 +16,9 @@ from nanrunbook.verdict.report import (
     report_document,
 )
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["JsonRenderer", "json_text"]
 
@@ -41,3 +44,15 @@ class JsonRenderer(Renderer):
 
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         out.write(json_text(document))
+
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        from nanrunbook.diff import (
+            ComparisonRejected,
+            diff_document,
+            diff_rejection_document,
+        )
+
+        if isinstance(result, ComparisonRejected):
+            out.write(json_text(diff_rejection_document(result)))
+        else:
+            out.write(json_text(diff_document(result)))

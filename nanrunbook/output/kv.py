@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import CONTRACT_VERSION
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.diff import Comparison, ComparisonRejected
 
 __all__ = ["KvRenderer", "kv_where"]
 
@@ -89,5 +92,34 @@ class KvRenderer(Renderer):
                 for name, value in document["bounds"].items()
                 if isinstance(value, int)
             ),
+        ]
+        _write(lines, out)
+
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        # Binding item names, stage names and fixed words only: never a field value.
+        from nanrunbook.diff import ComparisonRejected
+
+        if isinstance(result, ComparisonRejected):
+            lines = [
+                "verdict=REJECTED",
+                f"rejected={','.join(result.sides)}",
+                f"violations={len(result.violations)}",
+            ]
+            lines += [f"violation={v.code} {kv_where(v.where)}" for v in result.violations]
+            _write(lines, out)
+            return
+        base, other = result.base, result.other
+        first = result.first_divergence
+        lines = [
+            f"base_evidence_content_id={base.manifest.evidence_content_id}",
+            f"other_evidence_content_id={other.manifest.evidence_content_id}",
+            f"base_decision={base.decision.decision}",
+            f"other_decision={other.decision.decision}",
+            f"base_earliest_nonfinite={base.decision.earliest_nonfinite_stage or 'none'}",
+            f"other_earliest_nonfinite={other.decision.earliest_nonfinite_stage or 'none'}",
+            f"changed={','.join(result.changed) or 'none'}",
+            f"verdict={result.verdict}",
+            f"outcome={result.outcome or 'none'}",
+            f"first_divergence_stage={first.base_stage if first else 'none'}",
         ]
         _write(lines, out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected
@@ -18,6 +18,9 @@ from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+
+if TYPE_CHECKING:
+    from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
 
 __all__ = ["TextRenderer"]
 
@@ -182,6 +185,36 @@ class TextRenderer(Renderer):
         ]
         out.write("\n".join(lines) + "\n")
 
+    def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
+        from rich.text import Text
+
+        from nanrunbook.diff import ComparisonRejected
+
+        console = self._console(out)
+        if isinstance(result, ComparisonRejected):
+            count = len(result.violations)
+            console.print(
+                Text.assemble(
+                    ("nanrunbook diff: ", "bold"),
+                    ("REJECTED", "bold yellow"),
+                    f" - {' and '.join(result.sides)} rejected, {count} violation"
+                    f"{'s' if count != 1 else ''}; no comparison is made",
+                )
+            )
+            for violation in result.violations:
+                console.print(
+                    Text.assemble(
+                        ("  " + violation.code, "yellow"),
+                        f" {violation.where}: {violation.message}",
+                    )
+                )
+            return
+        _diff_heading(console, result)
+        _diff_changes(console, result)
+        _diff_divergence(console, result)
+        _diff_stages(console, result)
+        _diff_tensor_lists(console, result)
+
 
 def _stage_first_tensor(stage: StageFinding) -> str:
     if stage.counts_source != "recounted":
@@ -225,3 +258,170 @@ def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str
             console.print(
                 Text.assemble(f"  {number:>2}. ", (step.title, "bold"), f": {step.detail}")
             )
+
+
+_DIFF_STYLE = {
+    "REPRODUCED": "bold green",
+    "ONE_MECHANISM_CHANGED": "bold green",
+    "NOT_REPRODUCED": "bold red",
+    "CONFOUNDED": "bold red",
+}
+_DIFF_MEANING = {
+    "REPRODUCED": "no mechanism differs, and both answer the same",
+    "NOT_REPRODUCED": "no mechanism differs, yet the answers differ: a nondeterministic or"
+    " mis-captured replay",
+    "ONE_MECHANISM_CHANGED": "exactly one mechanism differs: the change is attributable to it",
+    "CONFOUNDED": "several mechanisms differ: no attribution is made; change one at a time",
+}
+_OUTCOME_MEANING = {
+    "FIXED": "HOLD became CONTINUE",
+    "BROKE": "CONTINUE became HOLD",
+    "MOVED": "the earliest non-finite stage moved",
+    "UNCHANGED": "the same decision at the same stage",
+}
+_LISTED = 10  # tensors listed by name in the text view; json lists them all
+
+
+def _diff_heading(console: Any, result: Comparison) -> None:
+    from rich.text import Text
+
+    verdict = result.verdict
+    head = Text.assemble(("nanrunbook diff: ", "bold"), (verdict, _DIFF_STYLE[verdict]))
+    if result.outcome is not None:
+        head.append(f" {result.changed[0]}: ")
+        head.append(result.outcome, style="bold")
+        head.append(f" ({_OUTCOME_MEANING[result.outcome]})")
+    console.print(head)
+    meaning = _DIFF_MEANING[verdict]
+    if verdict == "REPRODUCED" and result.first_divergence is not None:
+        meaning += ", though not bit for bit (see the first divergence)"
+    if result.not_reproduced == "decision":
+        meaning += " (the decision differs)"
+    elif result.not_reproduced is not None:
+        meaning += " (the earliest non-finite stage differs)"
+    console.print(Text(f"  {meaning}"))
+    for side, report in (("base", result.base), ("other", result.other)):
+        decision = report.decision
+        where = (
+            f" at {decision.earliest_nonfinite_stage}" if decision.earliest_nonfinite_stage else ""
+        )
+        manifest = report.manifest
+        console.print(
+            Text.assemble(
+                (f"  {side:<5}  ", "dim"),
+                (f"{decision.decision}{where}", "red" if decision.decision == HOLD else "green"),
+                f"  {manifest.run_id} step {manifest.step}  {manifest.evidence_content_id}",
+            )
+        )
+    if not result.same_run or not result.same_step:
+        what = "runs" if not result.same_run else "steps"
+        console.print(
+            Text(f"  note: the bundles are of different {what}: identities, not mechanisms")
+        )
+
+
+def _diff_changes(console: Any, result: Comparison) -> None:
+    from rich.text import Text
+
+    for change in result.changes:
+        console.print(Text(f"Changed mechanism: {change.item}", style="bold"))
+        width = max(len(field) for field in change.fields)
+        for field in change.fields:
+            old = change.base.get(field, "(absent)")
+            new = change.other.get(field, "(absent)")
+            console.print(Text(f"  {field:<{width}}  {old!s} -> {new!s}"))
+    if not result.changes:
+        console.print(Text("Changed mechanisms: none"))
+
+
+def _tensor_line(tensor: TensorDiff) -> str:
+    line = f"{tensor.name} ({tensor.base_stage})"
+    if tensor.status == "dtype_differs":
+        return f"{line}: dtype {tensor.base.dtype} -> {tensor.other.dtype}"
+    if tensor.status == "shape_differs":
+        return f"{line}: shape {list(tensor.base.shape)} -> {list(tensor.other.shape)}"
+    delta = tensor.delta
+    if delta is None:
+        return f"{line}: {tensor.status}"
+    line += f": {delta.differing} of {delta.elements} elements differ"
+    if delta.max_abs_diff is not None:
+        line += f", max abs diff {_figure(delta.max_abs_diff)}"
+        line += f", max rel diff {_figure(delta.max_rel_diff)}"
+    for label, count in (
+        ("NaN appeared", delta.nan_appeared),
+        ("NaN disappeared", delta.nan_disappeared),
+        ("inf appeared", delta.inf_appeared),
+        ("inf disappeared", delta.inf_disappeared),
+    ):
+        if count:
+            line += f", {label} in {count}"
+    return line
+
+
+def _figure(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _diff_divergence(console: Any, result: Comparison) -> None:
+    from rich.text import Text
+
+    first = result.first_divergence
+    if first is None:
+        shown = "none: every tensor both hold is bit-identical"
+        if any(t.status == "not_compared" for t in result.tensors):
+            shown = "none among the tensors both hold with data (summaries are not compared)"
+        console.print(Text(f"First divergence: {shown}"))
+        return
+    console.print(Text.assemble(("First divergence: ", "bold"), _tensor_line(first)))
+
+
+def _diff_stages(console: Any, result: Comparison) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(
+        title=Text("Stages, side by side"), title_justify="left", box=None, padding=(0, 1)
+    )
+    table.add_column("stage", no_wrap=True)
+    # Two-line headers keep the table within 80 columns.
+    for column in ("base\nnan/+inf/-inf", "other\nnan/+inf/-inf"):
+        table.add_column(column, no_wrap=True)
+    for column in ("tensors\nsame", "tensors\ndiffer", "only in\nbase", "only in\nother"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for stage in result.stages:
+        cells = [stage.stage, _stage_counts(stage.base), _stage_counts(stage.other)]
+        cells += [str(stage.identical), str(stage.differing)]
+        cells += [str(stage.base_only), str(stage.other_only)]
+        nonfinite = any(
+            f.counts is not None and f.counts.nonfinite for f in (stage.base, stage.other)
+        )
+        table.add_row(*(Text(c) for c in cells), style="red" if nonfinite else "")
+    console.print(table)
+
+
+def _stage_counts(finding: StageFinding) -> str:
+    counts = finding.counts
+    if counts is None:
+        return finding.status
+    return f"{counts.nan}/{counts.posinf}/{counts.neginf}"
+
+
+def _diff_tensor_lists(console: Any, result: Comparison) -> None:
+    from rich.text import Text
+
+    differing = [t for t in result.tensors if t.differs]
+    if len(differing) > 1:
+        console.print(Text(f"Differing tensors ({len(differing)}):", style="bold"))
+        for tensor in differing[:_LISTED]:
+            console.print(Text(f"  {_tensor_line(tensor)}"))
+        if len(differing) > _LISTED:
+            console.print(Text(f"  and {len(differing) - _LISTED} more (--format json lists all)"))
+    for side, tensors in (("base", result.base_only), ("other", result.other_only)):
+        if not tensors:
+            continue
+        names = ", ".join(f"{t.name} ({t.stage})" for t in tensors[:_LISTED])
+        more = f" and {len(tensors) - _LISTED} more" if len(tensors) > _LISTED else ""
+        console.print(Text(f"Only in {side} ({len(tensors)}): {names}{more}"))
+    console.print(Text("  The symptom's location is not its cause.", style="italic"))
