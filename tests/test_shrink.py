@@ -6,6 +6,7 @@ run under pytest in one fresh process for all the scenarios' fixtures.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -178,6 +179,24 @@ def probed_attention_step() -> FailingStep:
     )
 
 
+def sentinel_step() -> FailingStep:
+    """As a sentinel holds a step: its objects, and a micro-batch whose autocast
+    region the loop opened around compute_loss (not inside it)."""
+    from nanrunbook.capture.torch.evidence import StepObjects
+    from nanrunbook.capture.torch.recording import leaf
+    from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 5, 8, generator=gen(13)) * 0.5
+    x[8] *= 40
+    model = sm.AttnNet()
+    objects = StepObjects(
+        model, torch.optim.AdamW(model.parameters()), None, None, None, sm.xent, leaf
+    )
+    micro = MicroBatch(sm.batch_of(x, 3), RngState.now(), (Autocast("cpu", torch.bfloat16),))
+    return FailingStep.of_micro_batch(objects, micro)
+
+
 def siamese_step() -> FailingStep:
     torch.manual_seed(0)
     x, x2 = torch.randn(16, 8, generator=gen(7)), torch.randn(16, 8, generator=gen(8))
@@ -205,6 +224,7 @@ SCENARIOS = {
     "bce": (bce_step, {}),
     "fattention": (functional_attention_step, {}),
     "probed": (probed_attention_step, {}),
+    "sentinel": (sentinel_step, {}),
     "siamese": (siamese_step, {}),
     "guarded": (guarded_step, {}),
 }
@@ -310,6 +330,15 @@ def test_exp_inside_a_module_is_found_at_its_function(shrunk: Any) -> None:
     assert op.key == OpKey("function", "attn", 1, "torch.exp", 1)
     assert op.describe() == "torch.exp in module 'attn'" and op.autocast == "cpu:bfloat16"
     assert result.examples == (3,)
+
+
+def test_a_step_held_by_the_sentinel_replays_its_autocast_region(shrunk: Any) -> None:
+    _, result = shrunk["sentinel"]
+    op = result.operation
+    assert (op.key.path, op.autocast, result.examples) == ("attn.exp", "cpu:bfloat16", (8,))
+    document = json.loads((shrunk["root"] / "sentinel" / "fixture.json").read_text())
+    assert document["inputs"]["op"]["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}
+    assert document["bundle"]["stage"] == "forward"
 
 
 def test_bf16_exp_overflow_marked_by_a_named_probe_is_the_probes_operation(shrunk: Any) -> None:
@@ -601,17 +630,18 @@ def test_the_hold_hook_writes_the_fixture_or_logs_why_not(
 ) -> None:
     hook = ShrinkOnHold(max_replays=8)
     caplog.set_level(logging.INFO, logger="nanrunbook.capture.torch.shrink")
-    result = hook(sqrt_step(), stage="backward", incident=tmp_path, bundle=identity("run-hook"))
-    assert result is not None and result.fixture == str(tmp_path / "shrink")
-    assert (
-        check_bundle(tmp_path / "shrink" / "bundle").decision.earliest_nonfinite_stage == "backward"
-    )
+    held = sqrt_step()
+    finite = dataclasses.replace(held, batch=sm.batch_of(torch.randn(32, 8, generator=gen(12)), 4))
+    fixture = tmp_path / "11.shrink"
+    # two micro-batches of one step: the first is finite on its own, the second is shrunk
+    result = hook([finite, held], stage="backward", fixture=fixture, bundle=identity("r"))
+    assert result is not None and result.fixture == str(fixture)
+    assert check_bundle(fixture / "bundle").decision.earliest_nonfinite_stage == "backward"
     assert "shrink: first bad operation: backward of module 'norm' (L2Norm)" in caplog.text
-    finite = FailingStep(
-        sm.MLP(), torch.optim.SGD(sm.MLP().parameters()), sm.batch_of(torch.randn(4, 8), 4), sm.xent
-    )
-    assert hook(finite, stage="loss", incident=tmp_path / "x", bundle=identity("run-hook")) is None
-    assert "shrink: no result for the loss hold: the replayed step is finite" in caplog.text
+    assert hook(finite, stage="loss", fixture=tmp_path / "x", bundle=identity("r")) is None
+    assert "no result for the loss hold: no step goes non-finite replayed alone" in caplog.text
+    assert hook(norm_step(), stage="loss", fixture=tmp_path / "x", bundle=identity("r")) is None
+    assert "no result for the loss hold: the replay goes non-finite at forward" in caplog.text
     assert not (tmp_path / "x").exists()
 
 

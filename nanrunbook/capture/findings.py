@@ -10,11 +10,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["OpKey", "Operation", "Shrink", "ShrinkError", "TensorFacts"]
+__all__ = ["OpKey", "Operation", "Shrink", "ShrinkError", "StepIsFinite", "TensorFacts"]
 
 
 class ShrinkError(ValueError):
     """The step cannot be shrunk: the message says why, in one line."""
+
+
+class StepIsFinite(ShrinkError):
+    """The replayed step is finite through its gradients: nothing to shrink."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -717,6 +717,22 @@ class FailingStep:
     batch_size: int | None = None
     autocast: tuple[Any, ...] = ()
 
+    @classmethod
+    def of_micro_batch(cls, objects: Any, micro: Any) -> FailingStep:
+        """The step as a sentinel holds it: its step objects (model, optimizer,
+        scaler, loss_scale, compute_loss) and one micro-batch (batch, rng,
+        autocast)."""
+        return cls(
+            objects.model,
+            objects.optimizer,
+            micro.batch,
+            objects.compute_loss,
+            scaler=objects.scaler,
+            loss_scale=objects.loss_scale,
+            rng_state=micro.rng,
+            autocast=tuple(micro.autocast),
+        )
+
 
 def _autocast(region: Any) -> AbstractContextManager[Any]:
     cache = getattr(region, "cache_enabled", None)

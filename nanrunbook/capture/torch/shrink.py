@@ -21,7 +21,7 @@ Needs torch (``nanrunbook[torch]``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.ddmin import Minimised, ddmin
-from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError
+from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError, StepIsFinite
 from nanrunbook.capture.torch.locate import (
     FailingStep,
     Found,
@@ -41,7 +41,7 @@ from nanrunbook.capture.torch.locate import (
     resolved,
 )
 
-__all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "shrink", "shrink_step"]
+__all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "StepIsFinite", "shrink", "shrink_step"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
     survey = probes[0]
     stage = _stage(batch_bad, survey, ran)
     if stage is None:
-        raise ShrinkError(
+        raise StepIsFinite(
             "the replayed step is finite through its gradients: nothing to shrink "
             "(an optimizer-stage HOLD is outside the shrink; a different RNG state "
             "changes dropout: pass the one taken before the forward)"
@@ -386,40 +386,48 @@ def shrink_step(
 
 @dataclass(frozen=True, slots=True)
 class ShrinkOnHold:
-    """What a training-loop sentinel calls on a HOLD, when the loop opted in
+    """What a training-loop sentinel calls on a hold, when the loop opted in
     (the shrink costs replays: at most ``max_replays`` steps' worth).
 
-    Called as ``hook(step, stage=..., incident=..., bundle=...)`` with the
-    failing step, the stage the check answered, the incident directory (the
-    fixture goes to ``incident/<directory>``) and replay_step's identity
-    arguments. Returns the Shrink, or None after logging why there was none:
-    a shrink never turns a hold into a crash.
+    Called as ``hook(steps, stage=..., fixture=..., bundle=...)`` with the held
+    step (a FailingStep, or one per micro-batch, tried in order: the first that
+    goes non-finite on its own is shrunk), the stage the check answered, the
+    directory to write the fixture to (beside the bundle, never inside it) and
+    replay_step's identity arguments for the fixture's bundle. Returns the
+    Shrink, or None after logging why there is none: a shrink never turns a
+    hold into a crash.
     """
 
     max_replays: int = 24
-    directory: str = "shrink"
     drop_names: bool = False
 
     def __call__(
         self,
-        step: FailingStep,
+        steps: FailingStep | Sequence[FailingStep],
         *,
         stage: str,
-        incident: str | Path,
+        fixture: str | Path,
         bundle: Mapping[str, Any],
     ) -> Shrink | None:
-        try:
-            result = shrink(
-                step,
-                stage=stage,
-                max_replays=self.max_replays,
-                fixture=Path(incident) / self.directory,
-                bundle=bundle,
-                drop_names=self.drop_names,
-            )
-        except (ShrinkError, RuntimeError, TypeError, ValueError, OSError) as error:
-            log.warning("shrink: no result for the %s hold: %s", stage, error)
-            return None
-        for line in result.lines():
-            log.info("shrink: %s", line)
-        return result
+        for step in [steps] if isinstance(steps, FailingStep) else steps:
+            try:
+                result = shrink(
+                    step,
+                    stage=stage,
+                    max_replays=self.max_replays,
+                    fixture=fixture,
+                    bundle=bundle,
+                    drop_names=self.drop_names,
+                )
+            except StepIsFinite:
+                continue
+            except Exception as error:  # the hold stands whatever the shrink hits
+                log.warning("shrink: no result for the %s hold: %s", stage, error)
+                return None
+            for line in result.lines():
+                log.info("shrink: %s", line)
+            return result
+        log.warning(
+            "shrink: no result for the %s hold: no step goes non-finite replayed alone", stage
+        )
+        return None
