@@ -29,8 +29,8 @@ from nanrunbook.capture.ddmin import ddmin
 from nanrunbook.capture.findings import OpKey
 from nanrunbook.capture.torch import fixture as fixture_module
 from nanrunbook.capture.torch import tensor_to_raw
+from nanrunbook.capture.torch.failing import FailingStep
 from nanrunbook.capture.torch.fixture import FixtureError, write_fixture
-from nanrunbook.capture.torch.locate import FailingStep
 from nanrunbook.capture.torch.shrink import ShrinkError, ShrinkOnHold, shrink
 from tests import shrink_models as sm
 
@@ -640,14 +640,20 @@ def test_the_hold_hook_writes_the_fixture_or_logs_why_not(
     assert "shrink: first bad operation: backward of module 'norm' (L2Norm)" in caplog.text
     assert hook(finite, stage="loss", fixture=tmp_path / "x", bundle=identity("r")) is None
     assert "no result for the loss hold: no step goes non-finite replayed alone" in caplog.text
-    assert hook(norm_step(), stage="loss", fixture=tmp_path / "x", bundle=identity("r")) is None
-    assert "no result for the loss hold: the replay goes non-finite at forward" in caplog.text
+    assert hook(norm_step(), stage="backward", fixture=tmp_path / "x", bundle=identity("r")) is None
+    assert "no result for the backward hold: the replay goes non-finite at forward" in caplog.text
     assert not (tmp_path / "x").exists()
 
 
 def test_a_stage_the_replay_does_not_reach_is_refused() -> None:
     with pytest.raises(ShrinkError, match="goes non-finite at forward, not at backward"):
         shrink(norm_step(), stage="backward")
+    # a bundle whose capture chose fewer modules sees the same value one stage later
+    earlier = shrink(norm_step(), stage="loss")
+    assert earlier.operation.stage == "forward"
+    assert earlier.notes == (
+        "the bundle answered loss; a module it did not capture is already non-finite",
+    )
     with pytest.raises(ShrinkError, match="max_replays"):
         shrink(norm_step(), max_replays=1)
     with pytest.raises(ShrinkError, match="fixture needs bundle="):

@@ -40,18 +40,10 @@ from nanrunbook.capture.atomic import atomic_directory, write_synced
 from nanrunbook.capture.findings import OpKey, Shrink
 from nanrunbook.capture.torch.convert import tensor_to_raw
 from nanrunbook.capture.torch.copies import clone_batch, flatten
+from nanrunbook.capture.torch.failing import FailingStep, replay, resolved, select_examples
+from nanrunbook.capture.torch.finiteness import all_finite, requires_grad_flags
 from nanrunbook.capture.torch.fixture_template import TEST_SOURCE
-from nanrunbook.capture.torch.locate import (
-    Captured,
-    FailingStep,
-    FunctionProbe,
-    ModuleProbe,
-    all_finite,
-    replay,
-    requires_grad_flags,
-    resolved,
-    select_examples,
-)
+from nanrunbook.capture.torch.locate import Captured, FunctionObserver, ModuleObserver
 from nanrunbook.records import STAGE_ORDER
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
@@ -99,24 +91,22 @@ class _Captures:
     model_calls_before: int | None  # how many model calls had returned when it ran
 
 
-def _probes(key: OpKey, size: int, passing_on: bool, model: Any) -> list[Any]:
+def _observers(key: OpKey, size: int, passing_on: bool, model: Any) -> list[Any]:
+    common: dict[str, Any] = {"batch_size": size, "capture": True, "backward": key.backward}
     if key.kind == "module":
-        return [
-            ModuleProbe(model, batch_size=size, target=key, passing_on=passing_on,
-                        capture=True, backward=key.backward)
-        ]  # fmt: skip
-    probes: list[Any] = [
-        FunctionProbe(model, batch_size=size, within=(key.path, key.call), target=key,
-                      passing_on=passing_on, capture=True, backward=key.backward, stop=False)
-    ]  # fmt: skip
-    if key.call:
-        probes.append(
-            ModuleProbe(model, batch_size=size, target=OpKey("module", key.path, key.call),
-                        capture=True, backward=key.backward, stop=False)
-        )  # fmt: skip
+        return [ModuleObserver(model, target=key, passing_on=passing_on, **common)]
+    within = (key.path, key.call)
+    observers: list[Any] = [
+        FunctionObserver(
+            model, within=within, target=key, passing_on=passing_on, stop=False, **common
+        )
+    ]
+    if key.call:  # the module whose code called it: the current-code program
+        enclosing = OpKey("module", key.path, key.call)
+        observers.append(ModuleObserver(model, target=enclosing, stop=False, **common))
     else:
-        probes.append(_ModelCalls(model))
-    return probes
+        observers.append(_ModelCalls(model))
+    return observers
 
 
 def _capture(step: FailingStep, result: Shrink) -> _Captures:
@@ -131,14 +121,14 @@ def _capture(step: FailingStep, result: Shrink) -> _Captures:
             " so there is no operation to pin"
         )
     passing_on = result.operation.stage == "input"
-    probes: list[Any] = []
+    observers: list[Any] = []
 
     def attach(model: Any) -> list[Any]:
-        probes.extend(_probes(key, len(result.examples), passing_on, model))
-        return probes
+        observers.extend(_observers(key, len(result.examples), passing_on, model))
+        return observers
 
     replay(step, result.examples, attach, backward=key.backward)
-    first = probes[0]
+    first = observers[0]
     if not first.reproduced:
         raise FixtureError(
             f"{result.operation.describe()} did not go non-finite again on examples "
@@ -151,8 +141,8 @@ def _capture(step: FailingStep, result: Shrink) -> _Captures:
     if key.kind == "module":
         return _Captures(op, None, None, None)
     if key.call:
-        return _Captures(op, probes[1].captured_call(key.call), None, None)
-    return _Captures(op, None, probes[1], first.model_calls_before)
+        return _Captures(op, observers[1].captured_call(key.call), None, None)
+    return _Captures(op, None, observers[1], first.model_calls_before)
 
 
 # ------------------------------------------------------------------ arguments
@@ -285,7 +275,7 @@ def _autocast(call: Captured) -> AbstractContextManager[Any]:
 
 
 def _module(step: FailingStep, call: Captured) -> Any:
-    """The module of ``call``, copied from the caller's model (without the probes'
+    """The module of ``call``, copied from the caller's model (without the observers'
     hooks) and loaded with the state it had when the call ran."""
     module = copy.deepcopy(step.model.get_submodule(call.key.path))
     module.load_state_dict(call.state or {})
@@ -509,8 +499,8 @@ def _check_identity(identity: Mapping[str, Any]) -> None:
     """Refuse, before any replay, bundle arguments the bundle cannot be made from."""
     from nanrunbook.capture.torch.replay import _REQUIRED_BINDING
 
-    missing = [k for k in ("run_id", "step", "incident_owner", "last_known_good", "binding")
-               if k not in identity]  # fmt: skip
+    needed = ("run_id", "step", "incident_owner", "last_known_good", "binding")
+    missing = [k for k in needed if k not in identity]
     missing += [k for k in _REQUIRED_BINDING if k not in identity.get("binding", {})]
     if missing:
         raise FixtureError(f"the fixture's bundle needs {', '.join(missing)} in bundle=")
@@ -687,27 +677,10 @@ def write_fixture(
     calls["op"], structure = _call_document("op", captures.op, store)
     if captures.module is not None:
         calls["module"], _ = _call_document("module", captures.module, store)
-    test = _test_name(result, bundle)
     with atomic_directory(target, overwrite=overwrite) as temp:
         programs = _programs(temp, step, captures, batch, store, calls, structure)
         write_synced(temp / INPUTS_FILE, safetensors_chunks(list(store.raw.items())))
         decision = _bundle(temp / BUNDLE_DIR, step, batch, bundle)
-        notes = list(result.notes) + [n for n in (programs["frozen_note"],) if n]
-        if programs["current_note"]:
-            notes.append(programs["current_note"])
-        if (decision.decision, decision.earliest_nonfinite_stage) != (
-            "HOLD",
-            result.operation.stage,
-        ):
-            notes.append(
-                f"the shrunk step's bundle answers {decision.decision} at"
-                f" {decision.earliest_nonfinite_stage}, not HOLD at {result.operation.stage}"
-            )
-        files = {
-            name: hashlib.sha256((temp / name).read_bytes()).hexdigest()
-            for name in (FROZEN_FILE, MODULE_FILE, WEIGHTS_FILE)
-            if (temp / name).exists()
-        }
         document = {
             "format": FIXTURE_FORMAT,
             "written_by": f"nanrunbook {__version__}",
@@ -717,18 +690,41 @@ def write_fixture(
             "facts": _loop_facts(step, bundle, facts or {}),
             "program": programs,
             "inputs": {"file": INPUTS_FILE, "sha256": store.digests(), **calls},
-            "files": files,
+            "files": {
+                name: hashlib.sha256((temp / name).read_bytes()).hexdigest()
+                for name in (FROZEN_FILE, MODULE_FILE, WEIGHTS_FILE)
+                if (temp / name).exists()
+            },
             "bundle": {
                 "path": BUNDLE_DIR,
                 "decision": decision.decision,
                 "stage": decision.earliest_nonfinite_stage,
             },
-            "notes": notes,
+            "notes": _notes(result, programs, decision),
         }
-        text = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-        write_synced(temp / "fixture.json", [text])
-        write_synced(temp / "README.md", [_readme(document, test, target.name).encode()])
-        source = TEST_SOURCE.replace("__DESCRIPTION__", result.operation.describe())
-        source = source.replace("__DIRECTORY__", target.name)
-        write_synced(temp / test, [source.encode()])
+        _write_texts(temp, document, result, _test_name(result, bundle), target.name)
     return target
+
+
+def _notes(result: Shrink, programs: Mapping[str, Any], decision: Any) -> list[str]:
+    """The shrink's notes, then why a program is missing, then a bundle that
+    does not answer as the incident did."""
+    notes = list(result.notes)
+    notes += [n for n in (programs["frozen_note"], programs["current_note"]) if n]
+    stage = result.operation.stage
+    if (decision.decision, decision.earliest_nonfinite_stage) != ("HOLD", stage):
+        notes.append(
+            f"the shrunk step's bundle answers {decision.decision} at"
+            f" {decision.earliest_nonfinite_stage}, not HOLD at {stage}"
+        )
+    return notes
+
+
+def _write_texts(
+    temp: Path, document: dict[str, Any], result: Shrink, test: str, directory: str
+) -> None:
+    text = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    write_synced(temp / "fixture.json", [text])
+    write_synced(temp / "README.md", [_readme(document, test, directory).encode()])
+    source = TEST_SOURCE.replace("__DESCRIPTION__", result.operation.describe())
+    write_synced(temp / test, [source.replace("__DIRECTORY__", directory).encode()])

@@ -1,154 +1,47 @@
-"""Where a replayed step first goes non-finite: probes attached to a model copy.
+"""Where a replayed step first goes non-finite: observers attached to a model copy.
 
-Two probes, each in one of three roles: a *survey* finds the first operation
-that makes a non-finite value from finite inputs; a *watch* follows one known
-operation through a replay of a smaller batch (did it still go non-finite, and
-in which rows); a *capture* keeps what the fixture needs of it (its state,
-exact inputs, autocast and incoming gradients).
+Two observers, each in one of three roles: a *survey* finds the first
+operation that makes a non-finite value from finite inputs; a *watch* follows
+one known operation through a replay of a smaller batch (did it still go
+non-finite, and in which rows); a *capture* keeps what the fixture needs of it
+(its state, exact inputs, autocast and incoming gradients).
 
-* :class:`ModuleProbe` hooks every module: forward (pre and post), full
-  backward (pre and post) and the module's own parameters' gradients.
-* :class:`FunctionProbe` is a ``TorchFunctionMode``: every torch function the
+* :class:`ModuleObserver` hooks every module: forward (pre and post), full
+  backward (pre and post) and the module's own parameters' gradients; and it
+  hears named probes (``probe("attn.weights", x)``) in execution order.
+* :class:`FunctionObserver` is a ``TorchFunctionMode``: every torch function the
   code calls directly (not the ones inside it), and the autograd nodes they
   create, so a NaN made by functional code between modules, or by the loss, is
   located at its function.
 
-Needs torch; imported only by the shrink.
+Both raise :class:`~nanrunbook.capture.torch.failing.Stop` to end a watched
+replay early. Needs torch; imported only by the shrink.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanrunbook.capture.findings import OpKey, ShrinkError, TensorFacts
-from nanrunbook.capture.torch.binding import cuda_devices
-from nanrunbook.capture.torch.copies import clone_batch, copy_scaler, flatten
+from nanrunbook.capture.findings import OpKey, TensorFacts
+from nanrunbook.capture.torch.copies import clone_batch, flatten
+from nanrunbook.capture.torch.failing import Stop
+from nanrunbook.capture.torch.finiteness import (
+    all_finite,
+    autocast_state,
+    inputs_facts,
+    named_facts,
+    nonfinite_rows,
+    requires_grad_flags,
+)
 from nanrunbook.capture.torch.recording import _listening as listening
-from nanrunbook.capture.torch.replay import RngState
 
-__all__ = [
-    "Captured",
-    "Found",
-    "FunctionProbe",
-    "ModuleProbe",
-    "Stop",
-    "all_finite",
-    "autocast_state",
-    "facts",
-    "nonfinite_rows",
-    "replay",
-    "requires_grad_flags",
-    "resolved",
-    "select_examples",
-]
-
-
-class Stop(BaseException):
-    """Raised from a hook once the watched operation has run: the rest of the
-    replay cannot change the answer. A BaseException, so that a loss function's
-    ``except Exception`` does not swallow it."""
-
-
-# --------------------------------------------------------------------- tensors
-
-
-def _as_checkable(tensor: Any) -> Any:
-    """A tensor whose dtype torch's isfinite/isnan support (fp8 widened exactly)."""
-    t = tensor.detach()
-    if t.is_complex():
-        return torch.view_as_real(t.resolve_conj()).float()
-    if t.is_floating_point() and t.element_size() == 1:
-        return t.float()
-    return t
-
-
-def _floating(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    """Tensors and Python floats of a nested value, in order."""
-    if isinstance(value, torch.Tensor | float):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _leaves(item)
-
-
-def all_finite(value: Any) -> bool:
-    """True when every floating element (and Python float) of ``value`` is finite."""
-    for leaf in _leaves(value):
-        if isinstance(leaf, float):
-            if not math.isfinite(leaf):
-                return False
-        elif (
-            _floating(leaf) and leaf.numel() and not bool(torch.isfinite(_as_checkable(leaf)).all())
-        ):
-            return False
-    return True
-
-
-def nonfinite_rows(value: Any, size: int) -> frozenset[int] | None:
-    """Indices along dimension 0 holding a non-finite element, over the floating
-    tensors of ``value`` whose first dimension is ``size``; None when none has it."""
-    rows: set[int] | None = None
-    for _, tensor in flatten(value, ""):
-        if not _floating(tensor) or tensor.dim() == 0 or tensor.shape[0] != size:
-            continue
-        bad = ~torch.isfinite(_as_checkable(tensor)).reshape(size, -1).all(dim=1)
-        rows = (rows or set()) | {int(i) for i in torch.nonzero(bad).flatten().tolist()}
-    return None if rows is None else frozenset(rows)
-
-
-def facts(name: str, tensor: Any) -> TensorFacts:
-    """Counts by kind and finite extremes of one tensor (non-floating: all finite)."""
-    shape = tuple(int(d) for d in tensor.shape)
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    n = tensor.numel()
-    if not _floating(tensor) or n == 0:
-        values = tensor.detach().double() if n and not tensor.is_complex() else None
-        low = float(values.min()) if values is not None else None
-        high = float(values.max()) if values is not None else None
-        top = float(values.abs().max()) if values is not None else None
-        return TensorFacts(name, dtype, shape, n, 0, 0, 0, low, high, top)
-    t = _as_checkable(tensor).double()
-    nan, pos, neg = int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum())
-    finite = t[torch.isfinite(t)]
-    if finite.numel() == 0:
-        return TensorFacts(name, dtype, shape, n, nan, pos, neg, None, None, None)
-    return TensorFacts(
-        name,
-        dtype,
-        shape,
-        n,
-        nan,
-        pos,
-        neg,
-        float(finite.min()),
-        float(finite.max()),
-        float(finite.abs().max()),
-    )
-
-
-def _named_facts(prefix: str, value: Any) -> tuple[TensorFacts, ...]:
-    return tuple(facts(f"{prefix}/{name}" if name else prefix, t) for name, t in flatten(value, ""))
-
-
-def _inputs_facts(inputs: tuple[Any, Any]) -> tuple[TensorFacts, ...]:
-    args, kwargs = inputs
-    return _named_facts("args", args) + _named_facts("kwargs", kwargs)
+__all__ = ["Captured", "Found", "FunctionObserver", "ModuleObserver", "function_name"]
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -160,23 +53,6 @@ _IN_PLACE_OPERATORS = frozenset(
 def _in_place(name: str) -> bool:
     last = name.rpartition(".")[2]
     return (last.endswith("_") and not last.endswith("__")) or last in _IN_PLACE_OPERATORS
-
-
-def autocast_state(value: Any) -> tuple[str, str] | None:
-    """(device type, dtype) of the autocast in force for the tensors of ``value``."""
-    devices = [t.device.type for _, t in flatten(value, "")] or ["cpu"]
-    device = devices[0]
-    try:
-        if torch.is_autocast_enabled(device):
-            return device, str(torch.get_autocast_dtype(device)).removeprefix("torch.")
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return None
-    return None
-
-
-def requires_grad_flags(value: Any) -> list[bool]:
-    """Whether each tensor of ``value``, in order, requires grad."""
-    return [bool(t.requires_grad) for _, t in flatten(value, "")]
 
 
 # --------------------------------------------------------------------- results
@@ -232,7 +108,7 @@ class _Frame:
     probes: dict[str, int] = field(default_factory=dict)
 
 
-class ModuleProbe:
+class ModuleObserver:
     """Hooks on every module of a model copy, and the named-probe sink; removed
     by :meth:`remove`, the sink listening only inside :meth:`context`.
 
@@ -402,8 +278,8 @@ class ModuleProbe:
                     type(module).__qualname__,
                     path in self._leaves,
                     finite_in,
-                    _inputs_facts((args, kwargs)),
-                    _named_facts("output", output),
+                    inputs_facts((args, kwargs)),
+                    named_facts("output", output),
                     (),
                     nonfinite_rows(output, self.batch_size),
                     autocast,
@@ -434,8 +310,8 @@ class ModuleProbe:
                 "probe",
                 True,
                 made,
-                () if inputs is None else _inputs_facts(inputs),
-                _named_facts("value", value),
+                () if inputs is None else inputs_facts(inputs),
+                named_facts("value", value),
                 (),
                 nonfinite_rows(value, self.batch_size),
                 autocast_state(value),
@@ -486,9 +362,9 @@ class ModuleProbe:
             what,
             path in self._leaves,
             True,
-            () if inputs is None else _inputs_facts(inputs),
-            _named_facts("grad", grads),
-            _named_facts("grad_output", grad_output),
+            () if inputs is None else inputs_facts(inputs),
+            named_facts("grad", grads),
+            named_facts("grad_output", grad_output),
             rows,
             None,
         )
@@ -541,7 +417,7 @@ class _CallStack:
             handle.remove()
 
 
-class FunctionProbe(TorchFunctionMode):
+class FunctionObserver(TorchFunctionMode):
     """Every torch function called directly by the code of one context.
 
     ``within`` restricts the probe to the code of one module (``(path, call)``;
@@ -638,7 +514,7 @@ class FunctionProbe(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.captured is not None and self.captured.key == key:
             self.captured.output = clone_batch(out)
-        if self.target is None or not self.target.backward:
+        if not self.watch_nodes:  # a backward survey: a forward inf later masked is no answer
             self._judge_forward(key, out, finite_in, inputs, autocast)
         if self.watch_nodes and finite_in:
             self._watch_nodes(key, out, inputs)
@@ -656,9 +532,16 @@ class FunctionProbe(TorchFunctionMode):
             return
         if bad and self.forward is None:
             self.forward = Found(
-                key, key.function, True, finite_in, _inputs_facts(inputs),
-                _named_facts("output", out), (), rows, autocast,
-            )  # fmt: skip
+                key=key,
+                type_name=key.function,
+                leaf=True,
+                made_here=finite_in,
+                inputs=inputs_facts(inputs),
+                outputs=named_facts("output", out),
+                grad_outputs=(),
+                rows=rows,
+                autocast=autocast,
+            )
 
     def _watch_nodes(self, key: OpKey, out: Any, inputs: Any) -> None:
         nodes = {id(t.grad_fn): t.grad_fn for _, t in flatten(out, "") if t.grad_fn is not None}
@@ -678,178 +561,15 @@ class FunctionProbe(TorchFunctionMode):
                 self.reproduced, self.rows = True, rows
             elif self.backward is None:
                 self.backward = Found(
-                    backward_key, key.function, True, True, _inputs_facts(inputs),
-                    _named_facts("grad_input", grad_inputs),
-                    _named_facts("grad_output", grad_outputs), rows, None,
-                )  # fmt: skip
+                    key=backward_key,
+                    type_name=key.function,
+                    leaf=True,
+                    made_here=True,
+                    inputs=inputs_facts(inputs),
+                    outputs=named_facts("grad_input", grad_inputs),
+                    grad_outputs=named_facts("grad_output", grad_outputs),
+                    rows=rows,
+                    autocast=None,
+                )
 
         return hook
-
-
-# ---------------------------------------------------------------------- replay
-
-
-@dataclass(frozen=True)
-class FailingStep:
-    """The failing step as the loop ran it, which every replay starts from.
-
-    ``compute_loss(model, batch)`` is the loop's forward and loss; ``autocast``
-    the autocast regions the loop opened around it (each with ``device_type``,
-    ``dtype`` and optionally ``cache_enabled``, as the sentinel's ``Autocast``;
-    none when compute_loss opens its own).
-    ``scaler`` (a ``torch.amp.GradScaler``) or ``loss_scale`` (a static scale)
-    scales the loss before backward as the loop did. ``rng_state`` is
-    ``torch.get_rng_state()`` (or the sentinel's ``RngState``) taken before the
-    forward: every replay starts from it. ``select(batch, examples)`` returns the batch restricted to the
-    given indices; by default every tensor whose first dimension is the batch
-    size is indexed along it. ``batch_size`` defaults to the first dimension of
-    the batch's first tensor.
-    """
-
-    model: Any
-    optimizer: Any
-    batch: Any
-    compute_loss: Callable[[Any, Any], Any]
-    scaler: Any = None
-    loss_scale: float | None = None
-    rng_state: Any = None
-    select: Callable[[Any, tuple[int, ...]], Any] | None = None
-    batch_size: int | None = None
-    autocast: tuple[Any, ...] = ()
-
-    @classmethod
-    def of_micro_batch(cls, objects: Any, micro: Any) -> FailingStep:
-        """The step as a sentinel holds it: its step objects (model, optimizer,
-        scaler, loss_scale, compute_loss) and one micro-batch (batch, rng,
-        autocast)."""
-        return cls(
-            objects.model,
-            objects.optimizer,
-            micro.batch,
-            objects.compute_loss,
-            scaler=objects.scaler,
-            loss_scale=objects.loss_scale,
-            rng_state=micro.rng,
-            autocast=tuple(micro.autocast),
-        )
-
-
-def _autocast(region: Any) -> AbstractContextManager[Any]:
-    cache = getattr(region, "cache_enabled", None)
-    return torch.autocast(region.device_type, dtype=region.dtype, cache_enabled=cache)
-
-
-def resolved(step: FailingStep) -> FailingStep:
-    """``step`` with its batch size and RNG state filled in (the current state when
-    none was given: every later replay starts from the same one)."""
-    size = step.batch_size
-    if size is None:
-        tensors = [t for _, t in flatten(step.batch, "")]
-        if not tensors or tensors[0].dim() == 0:
-            raise ShrinkError("the batch's first tensor has no batch dimension: pass batch_size")
-        size = int(tensors[0].shape[0])
-    if size < 1:
-        raise ShrinkError("batch_size must be at least 1")
-    state = step.rng_state
-    if state is None:
-        state = RngState.now()
-    elif not isinstance(state, RngState):
-        state = RngState(state)  # a torch.get_rng_state() tensor
-    return replace(step, batch_size=size, rng_state=state)
-
-
-def select_examples(batch: Any, examples: tuple[int, ...], size: int) -> Any:
-    """``batch`` with every tensor whose first dimension is ``size`` indexed by
-    ``examples``; other tensors and values as they are, containers rebuilt."""
-    index = torch.tensor(examples, dtype=torch.long)
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() and batch.shape[0] == size:
-            return batch.index_select(0, index.to(batch.device))
-        return batch
-    if isinstance(batch, Mapping):
-        items = {k: select_examples(v, examples, size) for k, v in batch.items()}
-        try:
-            return type(batch)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(select_examples(v, examples, size) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(select_examples(v, examples, size) for v in batch)
-    return batch
-
-
-def _prepared_copy(model: Any) -> Any:
-    """A deep copy to replay on. In-place activations are switched off on the
-    copy: same values, and full backward hooks refuse a module output that the
-    next module rewrites in place."""
-    replica = copy.deepcopy(model)
-    for module in replica.modules():
-        if getattr(module, "inplace", None) is True:
-            module.inplace = False
-    for param in replica.parameters():
-        param.grad = None
-    return replica
-
-
-@dataclass(frozen=True, slots=True)
-class Ran:
-    """How far a replay went: the loss and gradients' finiteness (None: not
-    reached), and whether a probe stopped it early."""
-
-    loss_finite: bool | None
-    grads_finite: bool | None
-    stopped: bool
-
-
-def _scaled(step: FailingStep, loss: Any) -> Any:
-    if step.scaler is not None and step.scaler.is_enabled():
-        return copy_scaler(step.scaler).scale(loss)
-    return loss if step.loss_scale is None else loss * step.loss_scale
-
-
-def replay(
-    step: FailingStep,
-    examples: tuple[int, ...] | None,
-    probes: Callable[[Any], list[Any]],
-    *,
-    backward: bool,
-) -> Ran:
-    """One replay on a fresh copy of the model and a clone of the batch (or of
-    the given examples), from the step's RNG state; the caller's model, batch
-    and RNG are left as they were. ``probes(copy)`` attaches the probes
-    (each probe's ``context()`` is entered around the forward only: function
-    modes, the named-probe sink) and every one is removed afterwards,
-    exceptions included. Backward runs, scaled as
-    the loop scaled it, when asked and the loss is finite."""
-    model = _prepared_copy(step.model)
-    size = step.batch_size or 0
-    if examples is None:
-        batch = clone_batch(step.batch)
-    elif step.select is not None:
-        batch = clone_batch(step.select(step.batch, examples))
-    else:
-        batch = clone_batch(select_examples(step.batch, examples, size))
-    attached = probes(model)
-    loss_finite = grads_finite = None
-    with torch.random.fork_rng(devices=cuda_devices()), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
-        step.rng_state.restore()
-        try:
-            with ExitStack() as around:
-                for region in step.autocast:
-                    around.enter_context(_autocast(region))
-                for probe in attached:
-                    around.enter_context(probe.context())
-                loss = step.compute_loss(model, batch)
-            loss_finite = all_finite(loss)
-            if backward and loss_finite:
-                _scaled(step, loss).backward()
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                grads_finite = all_finite(grads)
-        except Stop:
-            return Ran(loss_finite, grads_finite, True)
-        finally:
-            for probe in attached:
-                probe.remove()
-    return Ran(loss_finite, grads_finite, False)

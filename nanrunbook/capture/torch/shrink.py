@@ -30,16 +30,9 @@ import torch
 
 from nanrunbook.capture.ddmin import Minimised, ddmin
 from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError, StepIsFinite
-from nanrunbook.capture.torch.locate import (
-    FailingStep,
-    Found,
-    FunctionProbe,
-    ModuleProbe,
-    all_finite,
-    nonfinite_rows,
-    replay,
-    resolved,
-)
+from nanrunbook.capture.torch.failing import FailingStep, replay, resolved
+from nanrunbook.capture.torch.finiteness import all_finite, nonfinite_rows
+from nanrunbook.capture.torch.locate import Found, FunctionObserver, ModuleObserver
 
 __all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "StepIsFinite", "shrink", "shrink_step"]
 
@@ -66,10 +59,10 @@ def _uses_batch_statistics(module: Any) -> bool:
     return isinstance(module, norm) and (module.training or module.running_mean is None)
 
 
-def _stage(batch_bad: bool, probe: ModuleProbe, ran: Any) -> str | None:
+def _stage(batch_bad: bool, survey: ModuleObserver, ran: Any) -> str | None:
     if batch_bad:
         return "input"
-    if probe.forward_nonfinite:
+    if survey.forward_nonfinite:
         return "forward"
     if ran.loss_finite is False:
         return "loss"
@@ -82,14 +75,14 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
     """The survey replay, then (when the module found is not a leaf, or none
     is) a function-level one inside it or in ``compute_loss``."""
     batch_bad = not all_finite(step.batch)
-    probes: list[ModuleProbe] = []
+    observers: list[ModuleObserver] = []
 
     def attach(model: Any) -> list[Any]:
-        probes.append(ModuleProbe(model, batch_size=size, passing_on=batch_bad))
-        return probes
+        observers.append(ModuleObserver(model, batch_size=size, passing_on=batch_bad))
+        return observers
 
     ran = replay(step, None, attach, backward=True)
-    survey = probes[0]
+    survey = observers[0]
     stage = _stage(batch_bad, survey, ran)
     if stage is None:
         raise StepIsFinite(
@@ -97,7 +90,12 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
             "(an optimizer-stage HOLD is outside the shrink; a different RNG state "
             "changes dropout: pass the one taken before the forward)"
         )
-    if expected is not None and expected != stage:
+    notes: tuple[str, ...] = ()
+    if expected == "loss" and stage == "forward":
+        # The bundle's forward stage holds the modules its capture chose; here it is
+        # every leaf module and probe, so the value can show up one stage earlier.
+        notes = ("the bundle answered loss; a module it did not capture is already non-finite",)
+    elif expected is not None and expected != stage:
         raise ShrinkError(f"the replay goes non-finite at {stage}, not at {expected}")
     backward = stage == "backward"
     module = survey.backward if backward else survey.forward
@@ -106,10 +104,12 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
         p or "(root)" for p in dict.fromkeys(survey.completed) if _uses_batch_statistics(names[p])
     )
     if module is not None and module.key.kind == "probe":
-        return _made_by(step, size, stage, module, batch_bad, mixing)
-    if module is not None and module.leaf:
-        return _Located(stage, module, 1, (), mixing)
-    return _refine(step, size, stage, module, survey, batch_bad, mixing)
+        located = _made_by(step, size, stage, module, batch_bad, mixing)
+    elif module is not None and module.leaf:
+        located = _Located(stage, module, 1, (), mixing)
+    else:
+        located = _refine(step, size, stage, module, survey, batch_bad, mixing)
+    return replace(located, notes=notes + located.notes)
 
 
 def _function_survey(
@@ -118,15 +118,19 @@ def _function_survey(
     within: tuple[str, int | None],
     batch_bad: bool,
     backward: bool,
-) -> FunctionProbe:
-    probes: list[FunctionProbe] = []
+) -> FunctionObserver:
+    observers: list[FunctionObserver] = []
 
     def attach(model: Any) -> list[Any]:
-        probes.append(FunctionProbe(model, batch_size=size, within=within, passing_on=batch_bad))
-        return probes
+        observers.append(
+            FunctionObserver(
+                model, batch_size=size, within=within, passing_on=batch_bad, backward=backward
+            )
+        )
+        return observers
 
     replay(step, None, attach, backward=backward)
-    return probes[0]
+    return observers[0]
 
 
 def _made_by(
@@ -153,7 +157,7 @@ def _refine(
     size: int,
     stage: str,
     module: Found | None,
-    survey: ModuleProbe,
+    survey: ModuleObserver,
     batch_bad: bool,
     mixing: tuple[str, ...],
 ) -> _Located:
@@ -182,16 +186,16 @@ def _refine(
 
 def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on: bool) -> Any:
     """One replay of ``examples``, watching the operation ``key``."""
-    probes: list[Any] = []
+    observers: list[Any] = []
     size = len(examples)
 
     def attach(model: Any) -> list[Any]:
         if key.kind in ("module", "probe"):
-            probe: Any = ModuleProbe(
+            observer: Any = ModuleObserver(
                 model, batch_size=size, target=key, passing_on=passing_on, backward=key.backward
             )
         else:
-            probe = FunctionProbe(
+            observer = FunctionObserver(
                 model,
                 batch_size=size,
                 within=(key.path, key.call),
@@ -199,11 +203,11 @@ def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on:
                 passing_on=passing_on,
                 backward=key.backward,
             )
-        probes.append(probe)
-        return probes
+        observers.append(observer)
+        return observers
 
     replay(step, examples, attach, backward=key.backward)
-    return probes[0]
+    return observers[0]
 
 
 def _interaction(
@@ -257,12 +261,12 @@ def _search(
 
     def fails(examples: tuple[int, ...]) -> bool:
         try:
-            probe = _trial(step, key, examples, passing_on=False)
+            watch = _trial(step, key, examples, passing_on=False)
         except Exception as error:  # the loop's own code failed on this subset
             errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
             return False
-        rows[examples] = probe.rows
-        return bool(probe.reproduced)
+        rows[examples] = watch.rows
+        return bool(watch.reproduced)
 
     start = located.found.rows
     found = ddmin(
