@@ -97,6 +97,11 @@ def xent_bf16(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
 
 
+def xent_fp16(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
 def batch_of(x: torch.Tensor, classes: int, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {"x": x, "y": torch.randint(0, classes, (x.shape[0],), generator=g)}

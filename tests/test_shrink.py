@@ -197,6 +197,16 @@ def sentinel_step() -> FailingStep:
     return FailingStep.of_micro_batch(objects, micro)
 
 
+def scaled_fp16_step() -> FailingStep:
+    torch.manual_seed(0)
+    model = sm.MLP()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # too large for fp16 gradients
+    batch = sm.batch_of(torch.randn(16, 8, generator=gen(14)), 4)
+    return FailingStep(
+        model, torch.optim.AdamW(model.parameters()), batch, sm.xent_fp16, scaler=scaler
+    )
+
+
 def siamese_step() -> FailingStep:
     torch.manual_seed(0)
     x, x2 = torch.randn(16, 8, generator=gen(7)), torch.randn(16, 8, generator=gen(8))
@@ -225,6 +235,7 @@ SCENARIOS = {
     "fattention": (functional_attention_step, {}),
     "probed": (probed_attention_step, {}),
     "sentinel": (sentinel_step, {}),
+    "scaled": (scaled_fp16_step, {}),
     "siamese": (siamese_step, {}),
     "guarded": (guarded_step, {}),
 }
@@ -364,6 +375,20 @@ def test_backward_of_a_function_in_compute_loss(shrunk: Any) -> None:
     assert op.stage == "backward"
     assert op.key == OpKey("function", "", 0, "torch.Tensor.sqrt", 1, backward=True)
     assert op.inputs[0].finite_min == 0.0 and result.examples == (6,)
+
+
+def test_a_loss_scale_too_large_for_fp16_overflows_the_loss_backward(shrunk: Any) -> None:
+    _, result = shrunk["scaled"]
+    op = result.operation
+    assert op.stage == "backward"
+    # the cast of the scaled gradient back to fp16, inside cross_entropy's backward
+    assert op.key == OpKey("function", "", 0, "torch.nn.functional.cross_entropy", 1, True)
+    assert op.grad_outputs[0].dtype == "float32" and op.grad_outputs[0].nonfinite == 0
+    assert op.outputs[0].dtype == "float16" and op.outputs[0].posinf > 0
+    assert result.nonfinite_rows == tuple(range(16)) and len(result.examples) == 1
+    document = json.loads((shrunk["root"] / "scaled" / "fixture.json").read_text())
+    assert document["facts"]["loss_scale"]["scale"] == 2.0**24
+    assert document["inputs"]["loss"]["loss_scale"] == 2.0**24
 
 
 def test_export_failure_falls_back_to_the_class_path_with_a_note(shrunk: Any) -> None:

@@ -50,6 +50,11 @@ _IN_PLACE_OPERATORS = frozenset(
 ) | {"__ixor__", "__ilshift__", "__irshift__"}
 
 
+def _grad_fns(value: Any) -> set[int]:
+    """The autograd nodes behind the tensors of ``value``, by id."""
+    return {id(t.grad_fn) for _, t in flatten(value, "") if t.grad_fn is not None}
+
+
 def _in_place(name: str) -> bool:
     last = name.rpartition(".")[2]
     return (last.endswith("_") and not last.endswith("__")) or last in _IN_PLACE_OPERATORS
@@ -511,13 +516,14 @@ class FunctionObserver(TorchFunctionMode):
                 autocast=autocast,
                 rng_state=torch.get_rng_state(),
             )
+        earlier = _grad_fns((args, kwargs)) if self.watch_nodes else set()
         out = func(*args, **kwargs)
         if self.captured is not None and self.captured.key == key:
             self.captured.output = clone_batch(out)
         if not self.watch_nodes:  # a backward survey: a forward inf later masked is no answer
             self._judge_forward(key, out, finite_in, inputs, autocast)
         if self.watch_nodes and finite_in:
-            self._watch_nodes(key, out, inputs)
+            self._watch_nodes(key, out, inputs, earlier)
         return out
 
     def _judge_forward(
@@ -543,16 +549,32 @@ class FunctionObserver(TorchFunctionMode):
                 autocast=autocast,
             )
 
-    def _watch_nodes(self, key: OpKey, out: Any, inputs: Any) -> None:
-        nodes = {id(t.grad_fn): t.grad_fn for _, t in flatten(out, "") if t.grad_fn is not None}
-        for node in nodes.values():
-            self._node_hooks.append(node.register_hook(self._node_hook(key, inputs)))
+    def _watch_nodes(self, key: OpKey, out: Any, inputs: Any, earlier: set[int]) -> None:
+        """Hooks on every autograd node the call made (a function such as
+        cross_entropy under autocast makes several: the cast back to fp16 can
+        be the one that overflows), found from its outputs back to the nodes
+        that were there before it."""
+        outputs = [t.grad_fn for _, t in flatten(out, "") if t.grad_fn is not None]
+        made: dict[int, Any] = {}
+        queue = list(outputs)
+        while queue:
+            node = queue.pop()
+            if node is None or id(node) in made or id(node) in earlier:
+                continue
+            if type(node).__name__ == "AccumulateGrad":  # a leaf's: never made by a call
+                continue
+            made[id(node)] = node
+            queue.extend(parent for parent, _ in node.next_functions)
+        ends = {id(node) for node in outputs}
+        for node in made.values():
+            hook = self._node_hook(key, inputs, id(node) in ends)
+            self._node_hooks.append(node.register_hook(hook))
 
-    def _node_hook(self, key: OpKey, inputs: Any) -> Callable[[Any, Any], None]:
+    def _node_hook(self, key: OpKey, inputs: Any, end: bool) -> Callable[[Any, Any], None]:
         backward_key = replace(key, backward=True)
 
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.captured is not None and self.captured.key == key:
+            if end and self.captured is not None and self.captured.key == key:
                 self.captured.grad_output = clone_batch(grad_outputs)
             if not all_finite(grad_outputs) or all_finite(grad_inputs):
                 return
