@@ -42,11 +42,24 @@ HERE = Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixture.json").read_text(encoding="utf-8"))
 OPERATION = FIXTURE["operation"]
 DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
-    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
 }
 
@@ -132,20 +145,23 @@ def run(program: Any, call: dict[str, Any], *, flat_inputs: bool) -> list[torch.
     with: its outputs, or for a backward operation the gradients it produced."""
     leaves: list[torch.Tensor] = []
     args, kwargs = build(call["args"], leaves), build(call["kwargs"], leaves)
-    torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
     autocast = call["autocast"]
     context = (
         torch.autocast(autocast["device_type"], dtype=getattr(torch, autocast["dtype"]))
         if autocast
         else contextlib.nullcontext()
     )
-    with context:
+    with torch.random.fork_rng(devices=[]), context:  # the other tests' RNG is left alone
+        torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
         out = program(*leaves) if flat_inputs else program(*args, **kwargs)
     outputs = flat(out)
     if not OPERATION["backward"]:
         return outputs
     given = [None if name is None else TENSORS[name][0] for name in call["grad_output"]]
-    pairs = [(o, g) for o, g in zip(outputs, given) if g is not None and o.requires_grad]
+    # not strict: a node's outputs can be fewer than the function's (max's indices)
+    pairs = [
+        (o, g) for o, g in zip(outputs, given, strict=False) if g is not None and o.requires_grad
+    ]
     params = list(program.parameters()) if isinstance(program, torch.nn.Module) else []
     wrt = [t for t in leaves if t.requires_grad] + [p for p in params if p.requires_grad]
     grads = torch.autograd.grad(
@@ -202,9 +218,9 @@ def run_compute_loss(function: str, call: dict[str, Any]) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     batch = build(call["batch"], leaves)
     outputs = [build(spec, leaves) for spec in call["outputs"]]
-    torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
-    with contextlib.ExitStack() as regions:  # the autocast the loop opened around it
-        for region in call["autocast"]:
+    with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as regions:
+        torch.set_rng_state(TENSORS[call["rng_state"]][0].clone())
+        for region in call["autocast"]:  # the autocast the loop opened around it
             regions.enter_context(
                 torch.autocast(region["device_type"], dtype=getattr(torch, region["dtype"]))
             )
