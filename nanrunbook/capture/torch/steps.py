@@ -112,6 +112,7 @@ class StepRecord:
     losses: list[Any] = field(default_factory=list)  # detached, on their device
     clip: ClipCall | None = None
     # Filled at the decision.
+    sampled_names: list[str] = field(default_factory=list)  # dtypes of exact gradient rows
     loss_values: list[float] = field(default_factory=list)
     grads: GradFindings = field(default_factory=GradFindings)
     scale: float | None = None
@@ -138,8 +139,9 @@ class StepRecord:
     def pack_losses(self, readout: Readout) -> None:
         readout.add("loss", torch.stack([loss.reshape(()).double() for loss in self.losses]))
 
-    def pack_sampled(self, readout: Readout, grads: list[Any]) -> tuple[list[str], list[str]]:
-        """On a sampled step: exact gradient rows and the activation extremes."""
+    def pack_sampled(self, readout: Readout, grads: list[Any]) -> list[str]:
+        """On a sampled step: exact gradient rows and the activation extremes;
+        returns the dtype names of the rows."""
         names, rows = count_rows(grads)
         if names:
             readout.add("grad_rows", rows)
@@ -148,7 +150,7 @@ class StepRecord:
             readout.add(
                 "act", torch.stack([v.to(sampler.values[0].device) for v in sampler.values])
             )
-        return names, sampler.names if sampler is not None else []
+        return names
 
     def read_activations(self, values: dict[str, list[float]]) -> None:
         sampler = self.sampler
