@@ -592,3 +592,23 @@ def test_the_starting_state_must_be_stated_as_a_recovery_point(tmp_path: Path) -
         Sentinel(model, optimizer, mse, **{**kwargs, "data": {"id": "has space"}})
     with pytest.raises(ValueError, match="reduction"):
         Sentinel(model, optimizer, mse, **{**kwargs, "objective": {"id": "x", "reduction": "avg"}})
+
+
+def test_the_scheduler_state_dict_stays_a_checkpointable_dict(tmp_path: Path) -> None:
+    """The scheduler's state_dict is its instance __dict__: holding its step must
+    not put anything there (a checkpoint would save it, and could not)."""
+    import pickle
+
+    o = _plain()
+    before = o["scheduler"].state_dict()
+    scheduler_wrapper = vars(o["optimizer"])["step"]  # the scheduler's own, on the instance
+    sentinel = Sentinel(
+        o["model"], o["optimizer"], o["loss"], scheduler=o["scheduler"], **facts("sched", tmp_path)
+    )
+    assert o["scheduler"].state_dict().keys() == before.keys()
+    assert isinstance(o["scheduler"], torch.optim.lr_scheduler.StepLR)
+    _plain_step(o, 1, sentinel.forward, sentinel.clip_grad_norm_)
+    pickle.dumps(o["scheduler"].state_dict())
+    sentinel.close()
+    assert type(o["scheduler"]) is torch.optim.lr_scheduler.StepLR
+    assert vars(o["optimizer"])["step"] is scheduler_wrapper  # put back as it was

@@ -209,7 +209,7 @@ class Sentinel(Decisions):
             self._intercepts.wrap(self.scaler, "step", self._on_scaler_step)
             self._intercepts.wrap(self.scaler, "update", self._on_scaler_update)
         if self.scheduler is not None:
-            self._intercepts.wrap(self.scheduler, "step", self._on_scheduler_step)
+            self._intercepts.subclass(self.scheduler, "step", self._on_scheduler_step)
         ref = weakref.ref(self)
 
         def flush_at_exit() -> None:
