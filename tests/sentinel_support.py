@@ -272,6 +272,7 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
         "held": hold.step if hold else None,
         "bundle": str(hold.bundle) if hold and hold.bundle else None,
         "stage": hold.stage if hold else None,
+        "reason": hold.reason if hold else None,
         "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
         "finite": params_finite(net),
         "untouched": bool(hold) and state_bits(net, optimizer, scheduler) == ran.before[ran.steps],

@@ -50,6 +50,9 @@ def test_a_nan_in_one_ranks_data_holds_every_rank_at_one_step(world: int, tmp_pa
         r: "HOLD" if r == 1 else "CONTINUE_BOUNDED_DIAGNOSTICS" for r in range(world)
     }
     assert all(r["origin"] == [1] for r in results)
+    # Checked before the all-reduce: rank 0 knows its own gradients were finite.
+    assert results[1]["reason"].startswith("non-finite loss")
+    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
     for rank in range(world):
         lines = (
             tmp_path / "incident" / "nan-rank1" / f"telemetry-rank-{rank:05d}.jsonl"

@@ -30,7 +30,7 @@ from nanrunbook.capture.telemetry import (
 )
 from nanrunbook.capture.torch.checks import Readout, counted, exact_counts, gradients
 from nanrunbook.capture.torch.evidence import StepObjects, capture_step
-from nanrunbook.capture.torch.ranks import Outcome, Ranks
+from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
 from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.steps import GradFindings, StepRecord, grad_probe
 
@@ -56,6 +56,7 @@ class Decisions:
     last_known_good: dict[str, Any]
     last_step: int
     _params: list[Any]
+    _local: LocalGradients | None
     _grad_dtype: str | None
     _step: StepRecord | None
     _pending: StepRecord | None
@@ -119,6 +120,10 @@ class Decisions:
             flags.append(step.clip.total)
         if found_inf is not None:
             flags.append(torch.where(found_inf > 0, math.inf, 0.0))
+        local = self._local.take() if self._local is not None else None
+        if local is not None:
+            readout.add("local_grad", local)
+            flags.append(local)
         step.pack_losses(readout)
         flags += step.losses
         if self.scaler is not None:
@@ -148,6 +153,8 @@ class Decisions:
             l2 = clip is None or clip.norm_type == 2.0
             findings.norm = norm if math.isfinite(norm) and l2 else None
             findings.tripped = not math.isfinite(norm)
+        if "local_grad" in values:
+            findings.local_finite = all(math.isfinite(v) for v in values["local_grad"])
         findings.bounds = {
             k.split("/", 1)[1]: v[0] for k, v in values.items() if k.startswith("bound/")
         }
@@ -179,6 +186,12 @@ class Decisions:
         if grads.found_inf:
             return self._scaler_outcome(step, counts)
         if grads.tripped:
+            if grads.local_finite is not None:
+                counts += (
+                    "; this rank's own gradients were finite before the all-reduce"
+                    if grads.local_finite
+                    else "; already in this rank's own gradients, before the all-reduce"
+                )
             return Outcome("incident", f"non-finite gradients: {counts}", "backward")
         return Outcome("healthy")
 

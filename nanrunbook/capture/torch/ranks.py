@@ -22,7 +22,7 @@ import torch
 
 from nanrunbook.records import STAGE_ORDER
 
-__all__ = ["KINDS", "Outcome", "Ranks"]
+__all__ = ["KINDS", "LocalGradients", "Outcome", "Ranks"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 
@@ -112,3 +112,32 @@ class Ranks:
                 where,
             )
         return origin
+
+
+class LocalGradients:
+    """A DistributedDataParallel communication hook that measures each gradient
+    bucket on this rank before the all-reduce mixes it with the others' (then
+    all-reduces it as DDP's default hook does): the check before the
+    collective, which tells the rank whose own gradients went non-finite."""
+
+    def __init__(self, ddp: Any, group: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.norms: list[Any] = []
+
+        def hook(state: Any, bucket: Any) -> Any:
+            self.norms.append(torch.linalg.vector_norm(bucket.buffer().detach().float()))
+            return allreduce_hook(state, bucket)
+
+        # DDP reads the hook's annotations as objects, not as postponed strings.
+        hook.__annotations__ = {
+            "state": object,
+            "bucket": torch.distributed.GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
+        }
+        ddp.register_comm_hook(group, hook)  # raises if the loop registered its own
+
+    def take(self) -> Any:
+        """This step's bucket norms (a device tensor), or None; then forget them."""
+        norms, self.norms = self.norms, []
+        return torch.stack([n.to(norms[0].device) for n in norms]) if norms else None

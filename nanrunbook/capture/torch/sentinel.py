@@ -49,7 +49,7 @@ from nanrunbook.capture.torch.binding import add_weight, heaviest
 from nanrunbook.capture.torch.decide import STOP, Decisions
 from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
-from nanrunbook.capture.torch.ranks import Ranks
+from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
 from nanrunbook.capture.torch.recording import ExtremesSampler, leaf
 from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
 from nanrunbook.capture.torch.snapshot import Buffers, StateSnapshot, reset_scaler_step
@@ -163,8 +163,18 @@ class Sentinel(Decisions):
             compute_loss=compute_loss,
             choose=modules or leaf,
         )
+        self._local = self._local_gradients(model, process_group)
         self._setup_state(snapshot, telemetry)
         self._install()
+
+    def _local_gradients(self, model: Any, group: Any) -> LocalGradients | None:
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            return LocalGradients(model, group)
+        except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
+            log.info("gradients are checked after the all-reduce only: %s", error)
+            return None
 
     # ------------------------------------------------------------------ set-up
 

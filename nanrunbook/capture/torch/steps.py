@@ -70,6 +70,7 @@ class GradFindings:
     bounds: dict[str, float] = field(default_factory=dict)
     found_inf: bool | None = None
     tripped: bool = False  # the cheap check says non-finite
+    local_finite: bool | None = None  # this rank's own, before the all-reduce (DDP)
 
     @property
     def nonfinite(self) -> int:
