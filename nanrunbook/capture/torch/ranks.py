@@ -132,7 +132,7 @@ class LocalGradients:
         # DDP reads the hook's annotations as objects, not as postponed strings.
         hook.__annotations__ = {
             "state": object,
-            "bucket": torch.distributed.GradBucket,
+            "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
             "return": torch.futures.Future[torch.Tensor],
         }
         ddp.register_comm_hook(group, hook)  # raises if the loop registered its own
