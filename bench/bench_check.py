@@ -45,7 +45,7 @@ TINY = ROOT / "fixtures" / "continue-all-finite"
 # The same check and kv output through the library, without the CLI framework:
 # shows what the command line's own start-up costs.
 LIBRARY = (
-    "import sys; from nanrunbook import check_bundle; from nanrunbook.render import RENDERERS; "
+    "import sys; from nanrunbook import check_bundle; from nanrunbook.output.renderers import RENDERERS; "
     "r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
 )
 

@@ -107,7 +107,9 @@ def layout(size: int) -> dict[str, list[Spec]]:
     return stages
 
 
-def _slabs(spec: Spec, rng: np.random.Generator) -> Iterator[bytes]:
+def _slabs(spec: Spec, rng: np.random.Generator, perturbed: bool = False) -> Iterator[bytes]:
+    """The tensor's data; ``perturbed`` flips the lowest bit of every 7th element
+    (after drawing, so the random stream, and every other tensor, stay the same)."""
     import numpy as np
 
     done = 0
@@ -128,11 +130,16 @@ def _slabs(spec: Spec, rng: np.random.Generator) -> Iterator[bytes]:
                 data = data.copy()
                 nan = {"F32": 0x7FC0_0000, "BF16": 0x7FC0, "F16": 0x7E00}[spec.dtype]
                 data.view(f"<u{data.itemsize}")[spec.nan_at - done] = nan
+            if perturbed:
+                data = data.copy()
+                data.view(f"<u{data.itemsize}")[(-done) % 7 :: 7] ^= 1
         yield data.tobytes()
         done += n
 
 
-def _write_file(path: Path, specs: list[Spec], rng: np.random.Generator) -> list[dict[str, Any]]:
+def _write_file(
+    path: Path, specs: list[Spec], rng: np.random.Generator, perturb: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
     from nanrunbook.tensors.counting import Counter
 
     header: dict[str, Any] = {}
@@ -152,7 +159,7 @@ def _write_file(path: Path, specs: list[Spec], rng: np.random.Generator) -> list
         for spec in specs:
             digest = hashlib.sha256()
             counter = Counter(spec.dtype)
-            for slab in _slabs(spec, rng):
+            for slab in _slabs(spec, rng, spec.name in perturb):
                 out.write(slab)
                 digest.update(slab)
                 counter.feed(slab)
@@ -196,8 +203,10 @@ OWNERS = {
 }
 
 
-def generate(target: Path, size: int, seed: int = 0) -> None:
-    """Write the bundle for ``size`` bytes into ``target`` (which must not exist)."""
+def generate(target: Path, size: int, seed: int = 0, perturb: tuple[str, ...] = ()) -> None:
+    """Write the bundle for ``size`` bytes into ``target`` (which must not exist);
+    the tensors named in ``perturb`` differ from the unperturbed bundle's in every
+    7th element's lowest bit, every other byte is the same."""
     import numpy as np
 
     from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
@@ -209,7 +218,7 @@ def generate(target: Path, size: int, seed: int = 0) -> None:
     stages = []
     for stage, specs in layout(size).items():
         file = f"{stage}.safetensors"
-        entries = _write_file(temp / file, specs, rng)
+        entries = _write_file(temp / file, specs, rng, frozenset(perturb))
         tallies = [e["tally"] for e in entries]
         record: dict[str, Any] = {
             "stage": stage,
@@ -262,13 +271,18 @@ def generate(target: Path, size: int, seed: int = 0) -> None:
     os.replace(temp, target)
 
 
-def ensure_bundle(cache: Path, size: int) -> Path:
+def ensure_bundle(cache: Path, size: int, perturb: tuple[str, ...] = ()) -> Path:
     """The cached bundle for ``size``, generated on first use in a subprocess (so
-    the caller never loads numpy, and its memory stays out of children's RSS)."""
-    target = cache / f"bundle-{show_size(size)}-v{LAYOUT_VERSION}"
+    the caller never loads numpy, and its memory stays out of children's RSS);
+    ``perturb`` names tensors that differ (see :func:`generate`)."""
+    name = f"bundle-{show_size(size)}-v{LAYOUT_VERSION}"
+    if perturb:
+        name += "-perturbed-" + hashlib.sha256(",".join(perturb).encode()).hexdigest()[:8]
+    target = cache / name
     if not (target / "manifest.json").is_file():
         print(f"generating {target} (once) ...", flush=True)
-        subprocess.run([sys.executable, __file__, str(target), str(size)], check=True)
+        argv = [sys.executable, __file__, str(target), str(size), ",".join(perturb)]
+        subprocess.run(argv, check=True)
     return target
 
 
@@ -278,4 +292,5 @@ def tensor_files(bundle: Path) -> list[Path]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    generate(Path(sys.argv[1]), int(sys.argv[2]))
+    names = tuple(n for n in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if n)
+    generate(Path(sys.argv[1]), int(sys.argv[2]), perturb=names)

@@ -23,6 +23,12 @@ from nanrunbook._version import __version__
 if TYPE_CHECKING:
     from nanrunbook.check import check_bundle
     from nanrunbook.contract import Caps, contract_content_id, contract_document
+    from nanrunbook.diff import (
+        Comparison,
+        ComparisonRejected,
+        diff_bundles,
+        diff_document,
+    )
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
     from nanrunbook.verdict.report import Report, report_document
@@ -33,6 +39,10 @@ _LAZY = {
     "contract_content_id": ".contract",
     "contract_document": ".contract",
     "decide": ".verdict.decision",
+    "Comparison": ".diff",
+    "ComparisonRejected": ".diff",
+    "diff_bundles": ".diff",
+    "diff_document": ".diff",
     "EvidenceRejected": ".errors",
     "Violation": ".errors",
     "Report": ".verdict.report",
@@ -41,6 +51,8 @@ _LAZY = {
 
 __all__ = [
     "Caps",
+    "Comparison",
+    "ComparisonRejected",
     "EvidenceRejected",
     "Report",
     "Violation",
@@ -49,6 +61,8 @@ __all__ = [
     "contract_content_id",
     "contract_document",
     "decide",
+    "diff_bundles",
+    "diff_document",
     "report_document",
 ]
 

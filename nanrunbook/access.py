@@ -19,6 +19,7 @@ __all__ = [
     "CODES",
     "MANIFEST_MAX_BYTES",
     "MANIFEST_NAME",
+    "bundles_below",
     "check_relative_path",
     "file_where",
     "open_in_bundle",
@@ -228,8 +229,7 @@ def read_manifest_bytes(bundle: Path) -> bytes:
     try:
         fd = open_in_bundle(bundle, MANIFEST_NAME)
     except EvidenceRejected as err:
-        code = "MANIFEST_MISSING" if err.codes == ("FILE_MISSING",) else "MANIFEST_UNREADABLE"
-        raise _reject_at(code, MANIFEST_NAME, err.violations[0].message) from None
+        raise _manifest_unopened(bundle, err.codes[0]) from None
     try:
         size = os.fstat(fd).st_size
         if size > MANIFEST_MAX_BYTES:
@@ -251,3 +251,41 @@ def read_manifest_bytes(bundle: Path) -> bytes:
         ) from None
     finally:
         os.close(fd)
+
+
+_MANIFEST_PROBLEM = {
+    "FILE_OUTSIDE_BUNDLE": "resolves through a symlink to a path outside the bundle",
+    "FILE_NOT_REGULAR": "is not a regular file (a directory, FIFO, device or socket)",
+}
+
+
+def _manifest_unopened(bundle: Path, code: str) -> EvidenceRejected:
+    """Why the manifest could not be opened, worded as a manifest problem, naming
+    the bundle and, for a directory of bundles, what it holds."""
+    shown = quote(str(bundle))
+    if code == "FILE_MISSING":
+        message = f"bundle {shown} has no manifest.json"
+        members = bundles_below(bundle)
+        if members:
+            listed = ", ".join(quote(name) for name in members[:5])
+            more = f" and {len(members) - 5} more" if len(members) > 5 else ""
+            message += f"; it holds bundles one level down: {listed}{more}"
+        return _reject_at("MANIFEST_MISSING", MANIFEST_NAME, message)
+    problem = _MANIFEST_PROBLEM.get(code, "cannot be opened")
+    return _reject_at("MANIFEST_UNREADABLE", MANIFEST_NAME, f"manifest of bundle {shown} {problem}")
+
+
+def bundles_below(directory: Path) -> list[str]:
+    """Names of the subdirectories of ``directory`` that hold a manifest.json, sorted.
+    Symlinks are not followed: a set's members lie inside it (spec section 11)."""
+    names: list[str] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) and os.path.isfile(
+                    os.path.join(entry.path, MANIFEST_NAME)
+                ):
+                    names.append(entry.name)
+    except OSError:
+        return []
+    return sorted(names)

@@ -21,9 +21,11 @@ _MAX_QUOTED = 80
 def quote(text: object) -> str:
     """Show untrusted text on one line, escaped, shortened: safe in any output."""
     shown = str(text)
+    # ascii() escapes every control, bidi and non-ASCII character; the ellipsis
+    # that marks a cut is added after, so it shows as itself, not as \u2026.
     if len(shown) > _MAX_QUOTED:
-        shown = shown[:_MAX_QUOTED] + "…"
-    # ascii() escapes every control, bidi and non-ASCII character.
+        quoted = ascii(shown[:_MAX_QUOTED])
+        return quoted[:-1] + "…" + quoted[-1]
     return ascii(shown)
 
 

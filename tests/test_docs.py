@@ -431,6 +431,8 @@ def test_bash_script_registers_the_completion() -> None:
         ("nanrunbook s", "1", {"schema", "seal"}),
         ("nanrunbook check --f", "2", {"--format"}),
         ("nanrunbook check --format ", "3", {"text", "json", "kv"}),
+        ("nanrunbook di", "1", {"diff"}),
+        ("nanrunbook diff --req", "2", {"--require-fixed"}),
         (
             "nanrunbook checklist --stage ",
             "3",
@@ -518,17 +520,22 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
-    # capture.torch needs torch to import; read its __all__ from the source instead.
-    torch_module = ast.parse(
-        (ROOT / "nanrunbook" / "capture" / "torch" / "__init__.py").read_text()
-    )
-    for node in torch_module.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
-        ):
-            names = ast.literal_eval(node.value)
-            public |= {f"nanrunbook.capture.torch.{name}" for name in names}
+    # capture.torch (a package) and capture.mechanisms need torch to import; read
+    # their __all__ from the source instead.
+    sources = {
+        "torch": ROOT / "nanrunbook" / "capture" / "torch" / "__init__.py",
+        "mechanisms": ROOT / "nanrunbook" / "capture" / "mechanisms.py",
+    }
+    for module, source in sources.items():
+        tree = ast.parse(source.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                names = ast.literal_eval(node.value)
+                public |= {f"nanrunbook.capture.{module}.{name}" for name in names}
     assert any(name.startswith("nanrunbook.capture.torch.") for name in public)
+    assert any(name.startswith("nanrunbook.capture.mechanisms.") for name in public)
     assert table == public
 
 

@@ -16,7 +16,8 @@ from bundlekit import FIXTURES, copy_fixture, load, read_tensor_file, save, writ
 import nanrunbook.capture.atomic
 import nanrunbook.capture.seal as seal_module
 from nanrunbook import EvidenceRejected, check_bundle
-from nanrunbook.capture.seal import seal_bundle, seal_command
+from nanrunbook.capture.seal import seal_bundle
+from nanrunbook.cli.seal import seal_and_judge as seal_command
 from nanrunbook.codes import CODES
 from nanrunbook.manifest.content_id import evidence_content_id
 
@@ -383,3 +384,45 @@ def test_cli_seal_help_has_an_example() -> None:
     done = run("seal", "--help")
     assert done.returncode == 0
     assert "Example: nanrunbook seal" in done.stdout and "--force" in done.stdout
+
+
+# ---- what a refusal and a forced seal say (found in independent testing) ------------
+
+
+def wrong_digest(tmp_path: Path) -> Path:
+    bundle = copy_fixture(tmp_path, "hold-input")
+    manifest = load(bundle)
+    manifest["stages"][0]["tensors"][0]["sha256"] = "0" * 64
+    save(bundle, manifest)
+    return bundle
+
+
+def test_refusal_names_force_and_kv_gets_a_decision(tmp_path: Path) -> None:
+    bundle = wrong_digest(tmp_path)
+    done = run("seal", str(bundle), "--format", "kv")
+    assert done.returncode == 3
+    assert "--force" in done.stderr and done.stderr.count("\n") == 1
+    lines = done.stdout.splitlines()
+    assert lines[2:4] == ["decision=REJECTED", "violations=1"]
+    assert lines[4] == "violation=SEAL_VALUE_DIFFERS $.stages[0].tensors[0].sha256"
+    as_json = json.loads(run("seal", str(bundle), "--format", "json").stdout)
+    assert as_json["decision"] == "REJECTED" and as_json["exit_code"] == 3
+
+
+def test_forced_seal_says_loudly_what_it_overwrote(tmp_path: Path) -> None:
+    bundle = wrong_digest(tmp_path)
+    done = run("seal", str(bundle), "--force", "--format", "kv")
+    assert done.returncode == 1
+    assert "original evidence did not verify" in done.stderr
+    assert f"$.stages[0].tensors[0].sha256: recorded '{'0' * 64}'" in done.stderr
+
+
+def test_differing_content_id_is_shown_whole(tmp_path: Path) -> None:
+    bundle = copy_fixture(tmp_path)
+    manifest = load(bundle)
+    manifest["incident_owner"] = "another-owner"
+    save(bundle, manifest, reseal=False)
+    declared = manifest["evidence_content_id"]
+    done = run("seal", str(bundle))
+    assert done.returncode == 3
+    assert declared in done.stderr and "\\u2026" not in done.stderr

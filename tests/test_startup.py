@@ -46,7 +46,9 @@ def tops(modules: set[str]) -> set[str]:
     return {name.split(".")[0] for name in modules}
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["check", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], ["check", "--help"], ["diff", "--help"]]
+)
 def test_help_loads_no_numpy_rich_or_torch(args: list[str]) -> None:
     code, modules = loaded(*args)
     assert code in (0, None)
@@ -57,6 +59,12 @@ def test_kv_check_loads_numpy_but_not_torch_or_rich() -> None:
     code, modules = loaded("check", "--format", "kv", TINY)
     assert code == 0
     assert "numpy" in modules  # counting uses it
+    assert not tops(modules) & {"torch", "rich", "safetensors", "ml_dtypes"}
+
+
+def test_kv_diff_loads_no_torch_or_rich() -> None:
+    code, modules = loaded("diff", "--format", "kv", TINY, TINY)
+    assert code == 0
     assert not tops(modules) & {"torch", "rich", "safetensors", "ml_dtypes"}
 
 

@@ -17,20 +17,21 @@ computed and leaves every other rule to it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from nanrunbook.access import MANIFEST_NAME, open_in_bundle, read_manifest_bytes
 from nanrunbook.capture.atomic import atomic_write
 from nanrunbook.errors import EvidenceRejected, Violation, quote
-from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
+from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, EVIDENCE_ID_PREFIX, evidence_content_id
 from nanrunbook.strictjson import child_path, load_manifest_bytes
 from nanrunbook.tensors.safetensors import TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ShortRead, scan_range
 
-__all__ = ["CODES", "SealResult", "seal_bundle", "seal_command"]
+__all__ = ["CODES", "Replacement", "SealResult", "seal_bundle"]
 
 CODES = {
     "SEAL_VALUE_DIFFERS": (
@@ -58,6 +59,15 @@ _TOP_KEY_ORDER = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """A recorded value that ``--force`` overwrote: the evidence as given did not verify."""
+
+    where: str  # JSON path
+    recorded: str  # quoted: it comes from the untrusted manifest
+    computed: str
+
+
 @dataclass(slots=True)
 class SealResult:
     """What the seal did: digests filled, verified and replaced; the content id's fate."""
@@ -67,6 +77,7 @@ class SealResult:
     replaced: int = 0
     content_id: str = "verified"  # "filled", "verified", "resealed" or "replaced"
     written: bool = False
+    replacements: list[Replacement] = field(default_factory=list)
 
     def summary(self, bundle: str) -> str:
         what = (
@@ -76,6 +87,16 @@ class SealResult:
         )
         done = "manifest.json rewritten" if self.written else "nothing to change"
         return f"sealed {quote(bundle)}: {what}; {done}"
+
+
+_CONTENT_ID = re.compile(re.escape(EVIDENCE_ID_PREFIX) + "[0-9a-f]{64}")
+
+
+def _shown_id(declared: object) -> str:
+    """A well-formed content id is safe text and shown whole; anything else quoted."""
+    if isinstance(declared, str) and _CONTENT_ID.fullmatch(declared):
+        return declared
+    return quote(declared)
 
 
 def _insert(mapping: dict[str, Any], key: str, value: Any, order: tuple[str, ...]) -> None:
@@ -220,6 +241,9 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
             elif entry["sha256"] == actual:
                 result.verified += 1
             elif force:
+                result.replacements.append(
+                    Replacement(f"{where}.sha256", quote(entry["sha256"]), actual)
+                )
                 entry["sha256"] = actual
                 result.replaced += 1
             else:
@@ -243,12 +267,15 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
         result.content_id = "resealed"  # it sealed the manifest as given; digests were added
     elif force:
         result.content_id = "replaced"
+        result.replacements.append(
+            Replacement(child_path("$", EVIDENCE_ID_KEY), _shown_id(declared), sealed_id)
+        )
     else:
         differs.append(
             Violation(
                 "SEAL_VALUE_DIFFERS",
                 child_path("$", EVIDENCE_ID_KEY),
-                f"declared {quote(declared)}, the manifest's content seals to {sealed_id}",
+                f"declared {_shown_id(declared)}, the manifest's content seals to {sealed_id}",
             )
         )
     if differs:
@@ -275,20 +302,3 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
         atomic_write(path / MANIFEST_NAME, data)
         result.written = True
     return result
-
-
-def seal_command(bundle: Path, *, force: bool, format: str, out: IO[str], err: IO[str]) -> int:
-    """The CLI's ``seal``: seal, then check; returns the exit code (0, 1 or 3).
-
-    A refused seal is one line on ``err`` and exit 3. After a seal, its summary
-    goes to ``err`` and the check's verdict, in ``format``, to ``out``.
-    """
-    from nanrunbook.cli.judge import judge
-
-    try:
-        result = seal_bundle(bundle, force=force)
-    except EvidenceRejected as error:
-        err.write(f"nanrunbook: seal refused: {error.summary}\n")
-        return error.exit_code
-    err.write(f"nanrunbook: {result.summary(str(bundle))}\n")
-    return judge(bundle, format, out)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import IO
 
 from nanrunbook.contract import Caps
+from nanrunbook.errors import EvidenceRejected
 
-__all__ = ["judge", "silence"]
+__all__ = ["emit", "emit_rejection", "judge", "silence"]
 
 
 def judge(
@@ -25,24 +26,33 @@ def judge(
     return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
     it is erased before anything is written to ``out``."""
     from nanrunbook.check import check_bundle
-    from nanrunbook.contract import contract_content_id
-    from nanrunbook.errors import EvidenceRejected
     from nanrunbook.output.progress import check_progress
     from nanrunbook.output.renderers import RENDERERS
 
-    renderer = RENDERERS[fmt]
     try:
         with check_progress(progress) as bar:
             report = check_bundle(bundle, caps=caps, progress=bar)
     except EvidenceRejected as error:
-        content_id = contract_content_id(caps)
-        _emit(functools.partial(renderer.rejection, error, str(bundle), content_id, out), out)
-        return error.exit_code
-    _emit(functools.partial(renderer.report, report, out), out)
+        return emit_rejection(error, bundle, fmt, out, caps=caps)
+    emit(functools.partial(RENDERERS[fmt].report, report, out), out)
     return report.exit_code
 
 
-def _emit(write: Callable[[], None], out: IO[str]) -> None:
+def emit_rejection(
+    error: EvidenceRejected, bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None
+) -> int:
+    """Write a rejection in ``fmt``; return its exit code."""
+    from nanrunbook.contract import contract_content_id
+    from nanrunbook.output.renderers import RENDERERS
+
+    renderer = RENDERERS[fmt]
+    content_id = contract_content_id(caps)
+    emit(functools.partial(renderer.rejection, error, str(bundle), content_id, out), out)
+    return error.exit_code
+
+
+def emit(write: Callable[[], None], out: IO[str]) -> None:
+    """Run ``write``; a reader that went away is not an error of the verdict."""
     try:
         write()
         out.flush()

@@ -388,3 +388,38 @@ def tally_bytes(dtype: str, data: _Chunk) -> Tally:
     counter = Counter(dtype)
     counter.feed(data)
     return counter.result()
+
+
+def code_values(dtype: str) -> tuple[float, ...]:
+    """The value of every bit pattern of a floating format of at most 8 bits, by code.
+
+    For the F8 formats, F6_E2M3, F6_E3M2 and F4 (for F6 and F4, the code of one
+    element, sign in its top bit): NaN and the infinities where the format has
+    them. Built from the same format facts the counter uses, so comparison and
+    counting never disagree about what a code means. ValueError for any other dtype.
+    """
+    fmt = _FORMATS.get(dtype)
+    if isinstance(fmt, _SignMagnitude) and fmt.uint == "u1":
+        sign, first = fmt.sign, fmt.first_nonfinite
+        width = 256
+    elif isinstance(fmt, _Fnuz):
+        sign, first, width = 0x80, 0x80, 256
+    elif isinstance(fmt, _Packed):
+        sign, first, width = 1 << (fmt.bits - 1), 1 << fmt.bits, 1 << fmt.bits
+    else:
+        raise ValueError(f"{dtype} is not a floating format of at most 8 bits")
+    values = []
+    for code in range(width):
+        magnitude_code = code & ~sign
+        negative = bool(code & sign)
+        if isinstance(fmt, _Fnuz) and code == 0x80:
+            value = math.nan
+        elif magnitude_code >= first:
+            is_inf = isinstance(fmt, _SignMagnitude) and fmt.has_inf and magnitude_code == first
+            value = math.inf if is_inf else math.nan
+        elif isinstance(fmt, _Packed):
+            value = fmt.table[magnitude_code]
+        else:
+            value = fmt.decode(magnitude_code)
+        values.append(-value if negative and not math.isnan(value) else value)
+    return tuple(values)

@@ -1,0 +1,167 @@
+"""The Typer application and what every command shares: the guard that turns
+Ctrl-C and our own defects into one line and an exit code, usage lines without
+braces, option types whose errors read as sentences, and the caps options."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import typer
+from typer.core import TyperCommand
+
+from nanrunbook._version import __version__
+from nanrunbook.contract import Caps
+from nanrunbook.exits import Exit
+from nanrunbook.strictjson import MAX_SAFE_INTEGER as MAX_CAP
+
+__all__ = [
+    "BundleArgument",
+    "CheckFormat",
+    "DocFormat",
+    "app",
+    "caps_from",
+    "command",
+    "entry_point",
+    "guarded",
+]
+
+app = typer.Typer(
+    name="nanrunbook",
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class PlainUsageCommand(TyperCommand):
+    """Usage lines as a man page writes them (``check [OPTIONS] BUNDLE``): Typer
+    puts braces around required arguments, which reads as a choice."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces: list[str] = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+def command(short_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a command; ``short_help`` is its whole sentence in ``nanrunbook --help``
+    (click would otherwise cut the docstring's first line mid-sentence)."""
+    return app.command(cls=PlainUsageCommand, short_help=short_help)
+
+
+class CheckFormat(StrEnum):
+    text = "text"
+    json = "json"
+    kv = "kv"
+
+
+class DocFormat(StrEnum):
+    text = "text"
+    json = "json"
+    kv = "kv"
+
+
+def whole_number(text: str) -> int:
+    """A cap: a whole number from 1 to 2^53 - 1, with an error a person can act on."""
+    text = str(text).strip()
+    if not text.isdigit():
+        raise typer.BadParameter(f"{text!r} is not a whole number (1 to {MAX_CAP})")
+    number = int(text)
+    if not 1 <= number <= MAX_CAP:
+        raise typer.BadParameter(f"{text} is outside 1 to {MAX_CAP}")
+    return number
+
+
+def _cap_option(what: str) -> Any:
+    return typer.Option(
+        parser=whole_number, metavar="N", help=f"Cap on {what} (changes the contract id)."
+    )
+
+
+MaxStageElements = Annotated[int, _cap_option("elements in one stage")]
+MaxBundleElements = Annotated[int, _cap_option("elements in the whole bundle")]
+MaxStageTensors = Annotated[int, _cap_option("tensors in one stage")]
+DEFAULT_CAPS = Caps()
+
+
+def caps_from(max_stage_elements: int, max_bundle_elements: int, max_stage_tensors: int) -> Caps:
+    return Caps(max_stage_elements, max_bundle_elements, max_stage_tensors)
+
+
+def non_empty_path(text: str) -> Path:
+    """``check "$BUNDLE"`` with BUNDLE unset is a usage error, never a check of the
+    current directory (Path("") is ".")."""
+    if text == "":
+        raise typer.BadParameter("the path is empty (an unset variable?)")
+    return Path(text)
+
+
+BundleArgument = Annotated[
+    Path,
+    typer.Argument(
+        metavar="BUNDLE",
+        parser=non_empty_path,
+        help="The evidence bundle directory.",
+        show_default=False,
+    ),
+]
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def guarded(command: Callable[P, R]) -> Callable[P, R]:
+    """Ctrl-C is exit 130 and a defect of ours exit 4, each one line, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except KeyboardInterrupt:
+            sys.stderr.write("nanrunbook: interrupted\n")
+            raise typer.Exit(Exit.INTERRUPTED) from None
+        except BrokenPipeError:
+            # Only output that carries no verdict gets here (help, documents).
+            from nanrunbook.cli.judge import silence
+
+            silence(sys.stdout)
+            raise typer.Exit(Exit.CONTINUE) from None
+        except Exception as error:
+            sys.stderr.write(f"nanrunbook: internal error: {type(error).__name__}: {error}\n")
+            raise typer.Exit(Exit.INTERNAL) from None
+
+    return run
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"nanrunbook {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Check the evidence a training step left when its loss went NaN, and say what to do.
+
+    Example: nanrunbook check bundle/ --format kv
+    """
+
+
+def entry_point() -> None:
+    app(prog_name="nanrunbook")
