@@ -50,7 +50,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -59,7 +61,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int = 7, width: int = 512, heads: int = 8, context: int = 64) -> None:
+    def __init__(
+        self, layers: int = 7, width: int = 512, heads: int = 8, context: int = 64
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
         self.position = nn.Embedding(context, width)
@@ -135,10 +139,14 @@ class Setup:
     def objects(self) -> dict[str, Any]:
         model = copy.deepcopy(self.initial)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if self.shape == "gradscaler" else None
+        scaler = (
+            torch.amp.GradScaler("cpu", init_scale=2.0**8) if self.shape == "gradscaler" else None
+        )
         return {"model": model, "optimizer": optimizer, "scaler": scaler}
 
-    def step(self, o: dict[str, Any], i: int, forward: Callable[..., Any], clip: Callable[..., Any]) -> None:
+    def step(
+        self, o: dict[str, Any], i: int, forward: Callable[..., Any], clip: Callable[..., Any]
+    ) -> None:
         batch = self.batches[i % len(self.batches)]
         o["optimizer"].zero_grad()
         if self.shape == "gradscaler":
@@ -180,7 +188,9 @@ class Setup:
         return sentinel
 
 
-def timed_run(setup: Setup, watched: bool, steps: int, sample_every: int) -> tuple[list[float], list[float]]:
+def timed_run(
+    setup: Setup, watched: bool, steps: int, sample_every: int
+) -> tuple[list[float], list[float]]:
     """Step times, and the sentinel's own time per step (zeros without it)."""
     o = setup.objects()
     root = Path(tempfile.mkdtemp(prefix="bench-sentinel-"))

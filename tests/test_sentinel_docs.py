@@ -30,11 +30,16 @@ GROFF = shutil.which("groff")
 @pytest.mark.skipif(GROFF is None, reason="groff is not installed")
 def test_the_page_renders_without_warnings_and_copies_intact() -> None:
     assert GROFF is not None
-    checked = subprocess.run([GROFF, "-man", "-ww", "-z", str(PAGE)], capture_output=True, text=True)
+    checked = subprocess.run(
+        [GROFF, "-man", "-ww", "-z", str(PAGE)], capture_output=True, text=True
+    )
     assert (checked.returncode, checked.stderr) == (0, "")
     text = subprocess.run(
         [GROFF, "-man", "-Tutf8", "-P-cbou", str(PAGE)],
-        capture_output=True, text=True, check=True, env={**os.environ, "LC_ALL": "C.UTF-8"},
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "LC_ALL": "C.UTF-8"},
     ).stdout
     assert "‐" not in text and "nanrunbook-telemetry/1" in text
 
@@ -46,9 +51,19 @@ def test_the_page_carries_the_version() -> None:
 
 def test_every_telemetry_key_is_documented_in_order() -> None:
     line = StepTelemetry(
-        run_id="r", rank=0, world_size=1, step=1, time=0.0, loss=None, loss_class="nan",
-        grad=GradTelemetry(), update=UpdateTelemetry(), scale=None, found_inf=None,
-        skipped=False, held=False,
+        run_id="r",
+        rank=0,
+        world_size=1,
+        step=1,
+        time=0.0,
+        loss=None,
+        loss_class="nan",
+        grad=GradTelemetry(),
+        update=UpdateTelemetry(),
+        scale=None,
+        found_inf=None,
+        skipped=False,
+        held=False,
     ).line()
     assert tags(sections(PAGE)["TELEMETRY"]) == list(line)
     body = sections(PAGE)["TELEMETRY"]
@@ -75,11 +90,16 @@ def test_the_documented_warning_codes_are_the_emitted_ones() -> None:
 
 
 def test_the_exceptions_attributes_are_documented() -> None:
-    hold = SentinelHold(step=3, reason="r", stage=None, bundle=None, report=None,
-                        last_known_good={"checkpoint_id": "c", "step": 2})
+    hold = SentinelHold(
+        step=3,
+        reason="r",
+        stage=None,
+        bundle=None,
+        report=None,
+        last_known_good={"checkpoint_id": "c", "step": 2},
+    )
     public = {name for name in vars(hold) if not name.startswith("_")}
-    public |= {name for name, value in vars(SentinelHold).items()
-               if isinstance(value, property)}
+    public |= {name for name, value in vars(SentinelHold).items() if isinstance(value, property)}
     assert set(tags(sections(PAGE)["EXCEPTION"])) == public
 
 
