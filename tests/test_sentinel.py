@@ -612,3 +612,82 @@ def test_the_scheduler_state_dict_stays_a_checkpointable_dict(tmp_path: Path) ->
     sentinel.close()
     assert type(o["scheduler"]) is torch.optim.lr_scheduler.StepLR
     assert vars(o["optimizer"])["step"] is scheduler_wrapper  # put back as it was
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_a_skip_under_a_gradscaler_leaves_scaler_and_scheduler_alone(
+    scheduler_first: bool, tmp_path: Path
+) -> None:
+    """A NaN record under the skip policy: the scaler neither backs off nor
+    counts the step, the scheduler does not advance, whatever order the loop
+    calls scaler.update() and scheduler.step() in; training goes on."""
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        xent,
+        scaler=scaler,
+        scheduler=scheduler,
+        policy="skip",
+        **facts("skip-scaler", tmp_path),
+    )
+
+    def step(i: int) -> Any:
+        batch = drifting_batch(i, drift_from=10**6)
+        if i == 3:
+            batch["x"][0, 0] = float("nan")
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = sentinel.forward(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        if scheduler_first:
+            scheduler.step()
+            scaler.update()
+        else:
+            scaler.update()
+            scheduler.step()
+        return loss
+
+    ran = run_loop(step, 6, lambda: state_bits(model, optimizer, scheduler, scaler))
+    sentinel.close()  # the last step's line waits for its update's check
+    assert ran.hold is None and ran.steps == 6
+    assert ran.before[4] == ran.before[3]  # step 3 changed nothing at all
+    lines = telemetry(tmp_path, "skip-scaler")
+    assert [line["skipped"] for line in lines] == [False, False, True, False, False, False]
+    assert scheduler.last_epoch == 5  # five applied steps
+    assert bundles(tmp_path, "skip-scaler") == []
+
+
+def test_the_last_line_is_written_at_exit_without_close(tmp_path: Path) -> None:
+    """A loop that never calls close(): the last step's update is still checked,
+    and its line written, when the interpreter exits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from sentinel_support import Regressor, Sentinel, facts, mse, regression_batch
+        torch.manual_seed(0)
+        model = Regressor()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sentinel = Sentinel(model, optimizer, mse, **facts("at-exit", Path({str(tmp_path)!r})))
+        for i in range(1, 5):
+            optimizer.zero_grad()
+            sentinel.forward(regression_batch(i)).backward()
+            optimizer.step()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line["step"] for line in telemetry(tmp_path, "at-exit")] == [1, 2, 3, 4]

@@ -61,7 +61,8 @@ class Decisions:
     _step: StepRecord | None
     _pending: StepRecord | None
     _decided: StepRecord | None
-    _skip_rest: bool
+    _skip_update: bool
+    _skip_scheduler: bool
     _early: EarlyWarnings
     _snapshot: StateSnapshot | None
     _telemetry: TelemetryFile | None
@@ -257,7 +258,7 @@ class Decisions:
         step.buffers.restore()
         if self.scaler is not None:
             reset_scaler_step(self.scaler)
-        self._skip_rest = True
+        self._skip_update = self._skip_scheduler = True
 
     def _hold(self, step: StepRecord, reason: str, stage: str | None) -> SentinelHold:
         """Capture the step's bundle, write its line; the exception to raise."""

@@ -189,7 +189,8 @@ class Sentinel(Decisions):
         self._step: StepRecord | None = None  # forward seen, no decision yet
         self._pending: StepRecord | None = None  # updated, its flag not read yet
         self._decided: StepRecord | None = None
-        self._skip_rest = False  # the step was skipped: its scaler.update, scheduler.step pass
+        # The step was not applied: its scaler.update and its scheduler.step pass.
+        self._skip_update = self._skip_scheduler = False
         self._scheduler_per_step = True
         self._scheduler_calls = 0
         self._inside_scaler = False
@@ -362,15 +363,15 @@ class Sentinel(Decisions):
         return result
 
     def _on_scaler_update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._skip_rest and not self.closed:
+        if self._skip_update and not self.closed:
             reset_scaler_step(self.scaler)  # the scale stays; only the step's bookkeeping goes
             return None
         return original(*args, **kwargs)
 
     def _on_scheduler_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._scheduler_calls += 1
-        if self._skip_rest and self._scheduler_per_step and not self.closed:
-            self._skip_rest = False  # only the skipped step's own call
+        if self._skip_scheduler and self._scheduler_per_step and not self.closed:
+            self._skip_scheduler = False  # only the skipped step's own call
             return None
         return original(*args, **kwargs)
 
@@ -381,7 +382,7 @@ class Sentinel(Decisions):
             self._scheduler_calls > 0 or self.last_step == self.facts.start_step
         )
         self._scheduler_calls = 0
-        self._skip_rest = False
+        self._skip_update = self._skip_scheduler = False
         number = self.last_step + 1
         every = self.thresholds.sample_every
         sampled = every > 0 and number % every == 0
