@@ -317,7 +317,7 @@ def measure(setup: Setup, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)

@@ -691,3 +691,43 @@ def test_the_last_line_is_written_at_exit_without_close(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert [line["step"] for line in telemetry(tmp_path, "at-exit")] == [1, 2, 3, 4]
+
+
+def test_a_sampled_step_sees_probes_in_execution_order() -> None:
+    """While the sentinel samples, probes report beside the leaf modules, in the
+    order the forward ran them; afterwards nothing listens."""
+    from nanrunbook.capture.torch import recording
+    from sentinel_support import Pooler
+
+    torch.manual_seed(0)
+    model = Pooler()
+    sampler = recording.ExtremesSampler(model, recording.leaf)
+    tokens, mask = torch.randint(0, 50, (4, 6)), torch.ones(4, 6)
+    with sampler.hooked():
+        model(tokens, mask)
+    assert sampler.names == ["act/embed", "act/proj", "probe/pool.mean", "act/head"]
+    assert all(v.dim() == 0 and bool(torch.isfinite(v)) for v in sampler.values)
+    assert recording._SINK is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exact_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> None:
+    """The sentinel's device counts (NaN, +inf, -inf, finite max abs) against the
+    bit-pattern counting the check uses, on tensors with and without specials."""
+    from nanrunbook.capture.torch.checks import exact_counts
+    from nanrunbook.capture.torch.convert import tensor_to_raw
+    from nanrunbook.tensors.counting import combine, tally_bytes
+
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(300, generator=g).to(dtype) * 100 for _ in range(4)]
+    tensors[1][[3, 5]] = float("nan")
+    tensors[1][7] = float("inf")
+    tensors[3][[0, 1, 2]] = float("-inf")
+    tensors[3][9] = 65000.0
+    [found] = exact_counts(tensors)
+    raws = [tensor_to_raw(t) for t in tensors]
+    total = combine([tally_bytes(r.dtype, r.data) for r in raws])
+    assert (found.nan, found.posinf, found.neginf) == (
+        total.counts.nan, total.counts.posinf, total.counts.neginf
+    ) == (2, 1, 3)
+    assert found.max_abs == total.max_abs
