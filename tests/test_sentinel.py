@@ -696,8 +696,9 @@ def test_the_last_line_is_written_at_exit_without_close(tmp_path: Path) -> None:
 def test_a_sampled_step_sees_probes_in_execution_order() -> None:
     """While the sentinel samples, probes report beside the leaf modules, in the
     order the forward ran them; afterwards nothing listens."""
-    from nanrunbook.capture.torch import recording
     from sentinel_support import Pooler
+
+    from nanrunbook.capture.torch import recording
 
     torch.manual_seed(0)
     model = Pooler()
