@@ -728,7 +728,68 @@ def test_exact_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> 
     [found] = exact_counts(tensors)
     raws = [tensor_to_raw(t) for t in tensors]
     total = combine([tally_bytes(r.dtype, r.data) for r in raws])
-    assert (found.nan, found.posinf, found.neginf) == (
-        total.counts.nan, total.counts.posinf, total.counts.neginf
-    ) == (2, 1, 3)
+    assert (
+        (found.nan, found.posinf, found.neginf)
+        == (total.counts.nan, total.counts.posinf, total.counts.neginf)
+        == (2, 1, 3)
+    )
     assert found.max_abs == total.max_abs
+
+
+def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
+    """Two micro-batches through dropout, a static loss scale, clipping: the
+    replay's gradients and update are, bit for bit, what the real step did."""
+    import copy
+
+    from nanrunbook.capture.torch.replay import (
+        Clipping,
+        MicroBatch,
+        RngState,
+        Scaling,
+        StepRecipe,
+        replay,
+    )
+
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):  # optimizer state to carry
+        optimizer.zero_grad()
+        mse(model, regression_batch(i)).backward()
+        optimizer.step()
+    pre_model, pre_optimizer = copy.deepcopy(model), copy.deepcopy(optimizer)
+    pre_optimizer.param_groups[0]["params"] = list(pre_model.parameters())
+    pre_optimizer.state = {
+        q: copy.deepcopy(optimizer.state[p])
+        for p, q in zip(model.parameters(), pre_model.parameters(), strict=True)
+    }
+    micro = []
+    optimizer.zero_grad()
+    for i in (10, 11):
+        micro.append(MicroBatch(regression_batch(i), RngState.now()))
+        (mse(model, regression_batch(i)) * 256.0).backward()
+    for p in model.parameters():
+        p.grad.div_(256.0)
+    grads = {n: bits(p.grad) for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+
+    recipe = StepRecipe(
+        compute_loss=mse,
+        micro_batches=tuple(micro),
+        scaling=Scaling("static", scale=256.0),
+        clipping=Clipping(0.05, 2.0, tuple(id(p) for p in pre_model.parameters())),
+    )
+    identity = {
+        "run_id": "r",
+        "step": 3,
+        "incident_owner": "o",
+        "last_known_good": {"checkpoint_id": "c", "step": 2, "verified_together": PARTS},
+    }
+    owner = dict.fromkeys(("input", "forward", "loss", "backward", "optimizer"), "o")
+    done = replay(pre_model, pre_optimizer, recipe, owner, **identity)
+    data = {c.name: c.tensor.data for c in done.writer._tensors}
+    for name, param in model.named_parameters():
+        assert data[f"grad/{name}"] == grads[name][2], name  # unscaled, before clipping
+        assert data[f"update/{name}"] == bits(param.detach() - before[name])[2], name
