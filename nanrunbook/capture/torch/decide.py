@@ -28,7 +28,7 @@ from nanrunbook.capture.telemetry import (
     headroom_bits,
     magnitude_alerts,
 )
-from nanrunbook.capture.torch.checks import Readout, counted, exact_counts, gradients
+from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients
 from nanrunbook.capture.torch.evidence import StepObjects, capture_step
 from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
 from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
@@ -159,10 +159,13 @@ class Decisions:
         findings.bounds = {
             k.split("/", 1)[1]: v[0] for k, v in values.items() if k.startswith("bound/")
         }
-        if step.sampled_names:
-            findings.counts = counted(step.sampled_names, values["grad_rows"])
-        elif findings.tripped or findings.found_inf or _near_max(findings):
+        if findings.tripped or findings.found_inf or _near_max(findings):
             findings.counts = exact_counts(grads)  # the slow path: a read of its own
+        elif step.sampled_names:  # finite: the sampled maxima are the finite max abs
+            findings.counts = [
+                Counted(dtype, 0, 0, 0, top)
+                for dtype, top in zip(step.sampled_names, values["grad_max"], strict=True)
+            ]
         if findings.counts and findings.tripped and not findings.nonfinite:
             findings.tripped = False  # finite values whose squares overflowed
         step.grads = findings
