@@ -211,3 +211,75 @@ __all__ = [
     "telemetry",
     "xent",
 ]
+
+
+# ------------------------------------------------------------ several ranks
+
+
+def rank_worker(rank: int, world: int, tmp: str, scenario: str) -> None:
+    """One rank of a data-parallel job (gloo, CPU) under the sentinel; writes what
+    it ended with to ``<tmp>/result-<rank>.json``."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(Path(tmp) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        result = _rank_loop(rank, Path(tmp), scenario)
+    finally:
+        dist.destroy_process_group()
+    (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
+    torch.manual_seed(0)  # the same initial model on every rank
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    jump = 3000.0 if scenario == "blowup" else 1.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 5 else jump)
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
+
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        loss_fn,
+        scheduler=scheduler,
+        thresholds=Thresholds(sample_every=0),
+        **facts(scenario, tmp),
+    )
+    ran = Ran(None, 0)
+    for i in range(1, 13 if scenario == "healthy" else 40):
+        ran.before[i] = state_bits(net, optimizer, scheduler)
+        ran.steps = i
+        batch = regression_batch(100 * rank + i)
+        if scenario == "nan-rank1" and rank == 1 and i == 3:
+            batch["x"][2, 5] = float("nan")
+        try:
+            optimizer.zero_grad()
+            loss = sentinel.forward(batch)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+        except SentinelHold as hold:
+            ran.hold = hold
+            break
+    sentinel.close()
+    hold = ran.hold
+    return {
+        "steps": ran.steps,
+        "held": hold.step if hold else None,
+        "bundle": str(hold.bundle) if hold and hold.bundle else None,
+        "stage": hold.stage if hold else None,
+        "reason": hold.reason if hold else None,
+        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        "finite": params_finite(net),
+        "untouched": bool(hold) and state_bits(net, optimizer, scheduler) == ran.before[ran.steps],
+        "changed": _changed(state_bits(net, optimizer, scheduler), ran.before[ran.steps]),
+    }
+
+
+def _changed(after: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """The state entries that differ (for a failing assertion's message)."""
+    return sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))

@@ -592,3 +592,204 @@ def test_the_starting_state_must_be_stated_as_a_recovery_point(tmp_path: Path) -
         Sentinel(model, optimizer, mse, **{**kwargs, "data": {"id": "has space"}})
     with pytest.raises(ValueError, match="reduction"):
         Sentinel(model, optimizer, mse, **{**kwargs, "objective": {"id": "x", "reduction": "avg"}})
+
+
+def test_the_scheduler_state_dict_stays_a_checkpointable_dict(tmp_path: Path) -> None:
+    """The scheduler's state_dict is its instance __dict__: holding its step must
+    not put anything there (a checkpoint would save it, and could not)."""
+    import pickle
+
+    o = _plain()
+    before = o["scheduler"].state_dict()
+    scheduler_wrapper = vars(o["optimizer"])["step"]  # the scheduler's own, on the instance
+    sentinel = Sentinel(
+        o["model"], o["optimizer"], o["loss"], scheduler=o["scheduler"], **facts("sched", tmp_path)
+    )
+    assert o["scheduler"].state_dict().keys() == before.keys()
+    assert isinstance(o["scheduler"], torch.optim.lr_scheduler.StepLR)
+    _plain_step(o, 1, sentinel.forward, sentinel.clip_grad_norm_)
+    pickle.dumps(o["scheduler"].state_dict())
+    sentinel.close()
+    assert type(o["scheduler"]) is torch.optim.lr_scheduler.StepLR
+    assert vars(o["optimizer"])["step"] is scheduler_wrapper  # put back as it was
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_a_skip_under_a_gradscaler_leaves_scaler_and_scheduler_alone(
+    scheduler_first: bool, tmp_path: Path
+) -> None:
+    """A NaN record under the skip policy: the scaler neither backs off nor
+    counts the step, the scheduler does not advance, whatever order the loop
+    calls scaler.update() and scheduler.step() in; training goes on."""
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        xent,
+        scaler=scaler,
+        scheduler=scheduler,
+        policy="skip",
+        **facts("skip-scaler", tmp_path),
+    )
+
+    def step(i: int) -> Any:
+        batch = drifting_batch(i, drift_from=10**6)
+        if i == 3:
+            batch["x"][0, 0] = float("nan")
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = sentinel.forward(batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        if scheduler_first:
+            scheduler.step()
+            scaler.update()
+        else:
+            scaler.update()
+            scheduler.step()
+        return loss
+
+    ran = run_loop(step, 6, lambda: state_bits(model, optimizer, scheduler, scaler))
+    sentinel.close()  # the last step's line waits for its update's check
+    assert ran.hold is None and ran.steps == 6
+    assert ran.before[4] == ran.before[3]  # step 3 changed nothing at all
+    lines = telemetry(tmp_path, "skip-scaler")
+    assert [line["skipped"] for line in lines] == [False, False, True, False, False, False]
+    assert scheduler.last_epoch == 5  # five applied steps
+    assert bundles(tmp_path, "skip-scaler") == []
+
+
+def test_the_last_line_is_written_at_exit_without_close(tmp_path: Path) -> None:
+    """A loop that never calls close(): the last step's update is still checked,
+    and its line written, when the interpreter exits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from sentinel_support import Regressor, Sentinel, facts, mse, regression_batch
+        torch.manual_seed(0)
+        model = Regressor()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sentinel = Sentinel(model, optimizer, mse, **facts("at-exit", Path({str(tmp_path)!r})))
+        for i in range(1, 5):
+            optimizer.zero_grad()
+            sentinel.forward(regression_batch(i)).backward()
+            optimizer.step()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line["step"] for line in telemetry(tmp_path, "at-exit")] == [1, 2, 3, 4]
+
+
+def test_a_sampled_step_sees_probes_in_execution_order() -> None:
+    """While the sentinel samples, probes report beside the leaf modules, in the
+    order the forward ran them; afterwards nothing listens."""
+    from sentinel_support import Pooler
+
+    from nanrunbook.capture.torch import recording
+
+    torch.manual_seed(0)
+    model = Pooler()
+    sampler = recording.ExtremesSampler(model, recording.leaf)
+    tokens, mask = torch.randint(0, 50, (4, 6)), torch.ones(4, 6)
+    with sampler.hooked():
+        model(tokens, mask)
+    assert sampler.names == ["act/embed", "act/proj", "probe/pool.mean", "act/head"]
+    assert all(v.dim() == 0 and bool(torch.isfinite(v)) for v in sampler.values)
+    assert recording._SINK is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exact_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> None:
+    """The sentinel's device counts (NaN, +inf, -inf, finite max abs) against the
+    bit-pattern counting the check uses, on tensors with and without specials."""
+    from nanrunbook.capture.torch.checks import exact_counts
+    from nanrunbook.capture.torch.convert import tensor_to_raw
+    from nanrunbook.tensors.counting import combine, tally_bytes
+
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(300, generator=g).to(dtype) * 100 for _ in range(4)]
+    tensors[1][[3, 5]] = float("nan")
+    tensors[1][7] = float("inf")
+    tensors[3][[0, 1, 2]] = float("-inf")
+    tensors[3][9] = 65000.0
+    [found] = exact_counts(tensors)
+    raws = [tensor_to_raw(t) for t in tensors]
+    total = combine([tally_bytes(r.dtype, r.data) for r in raws])
+    assert (
+        (found.nan, found.posinf, found.neginf)
+        == (total.counts.nan, total.counts.posinf, total.counts.neginf)
+        == (2, 1, 3)
+    )
+    assert found.max_abs == total.max_abs
+
+
+def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
+    """Two micro-batches through dropout, a static loss scale, clipping: the
+    replay's gradients and update are, bit for bit, what the real step did."""
+    import copy
+
+    from nanrunbook.capture.torch.replay import (
+        Clipping,
+        MicroBatch,
+        RngState,
+        Scaling,
+        StepRecipe,
+        replay,
+    )
+
+    torch.manual_seed(0)
+    model = Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(2):  # optimizer state to carry
+        optimizer.zero_grad()
+        mse(model, regression_batch(i)).backward()
+        optimizer.step()
+    pre_model, pre_optimizer = copy.deepcopy(model), copy.deepcopy(optimizer)
+    pre_optimizer.param_groups[0]["params"] = list(pre_model.parameters())
+    pre_optimizer.state = {
+        q: copy.deepcopy(optimizer.state[p])
+        for p, q in zip(model.parameters(), pre_model.parameters(), strict=True)
+    }
+    micro = []
+    optimizer.zero_grad()
+    for i in (10, 11):
+        micro.append(MicroBatch(regression_batch(i), RngState.now()))
+        (mse(model, regression_batch(i)) * 256.0).backward()
+    for p in model.parameters():
+        p.grad.div_(256.0)
+    grads = {n: bits(p.grad) for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+
+    recipe = StepRecipe(
+        compute_loss=mse,
+        micro_batches=tuple(micro),
+        scaling=Scaling("static", scale=256.0),
+        clipping=Clipping(0.05, 2.0, tuple(id(p) for p in pre_model.parameters())),
+    )
+    identity = {
+        "run_id": "r",
+        "step": 3,
+        "incident_owner": "o",
+        "last_known_good": {"checkpoint_id": "c", "step": 2, "verified_together": PARTS},
+    }
+    owner = dict.fromkeys(("input", "forward", "loss", "backward", "optimizer"), "o")
+    done = replay(pre_model, pre_optimizer, recipe, owner, **identity)
+    data = {c.name: c.tensor.data for c in done.writer._tensors}
+    for name, param in model.named_parameters():
+        assert data[f"grad/{name}"] == grads[name][2], name  # unscaled, before clipping
+        assert data[f"update/{name}"] == bits(param.detach() - before[name])[2], name

@@ -49,7 +49,9 @@ class SentinelHold(RuntimeError):
     judged. ``bundle``: the bundle path, or None when none could be written
     (``capture_error`` says why). ``report``: the check's verdict on it.
     ``contaminated``: the real state already holds a non-finite update (no
-    snapshot to roll back): restart from ``last_known_good``.
+    snapshot to roll back): restart from ``last_known_good``. ``origin_ranks``
+    (several ranks): the ranks whose own values went non-finite at the earliest
+    stage, as the incident set's verdict names them (empty if no bundle held).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class SentinelHold(RuntimeError):
         last_known_good: Mapping[str, Any],
         contaminated: bool = False,
         capture_error: str | None = None,
+        origin_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self.step = step
         self.reason = reason
@@ -72,6 +75,7 @@ class SentinelHold(RuntimeError):
         self.last_known_good = dict(last_known_good)
         self.contaminated = contaminated
         self.capture_error = capture_error
+        self.origin_ranks = origin_ranks
         super().__init__(self._message())
 
     @property
@@ -89,6 +93,8 @@ class SentinelHold(RuntimeError):
             parts.append(f"bundle {self.bundle}")
         elif self.capture_error:
             parts.append(f"no bundle ({self.capture_error})")
+        if self.origin_ranks is not None:
+            parts.append(f"origin ranks {','.join(map(str, self.origin_ranks)) or 'none'}")
         if self.contaminated:
             parts.append("the real state is contaminated by a non-finite update")
         parts.append(

@@ -3,7 +3,11 @@
 their classes), so the loop keeps calling them as it did.
 
 Each wrapper is a method bound to its instance, as the one it replaces, so a
-learning-rate scheduler built afterwards can wrap it in turn.
+learning-rate scheduler built afterwards can wrap it in turn. A scheduler is
+different: its ``state_dict()`` is its instance ``__dict__``, so a wrapper there
+would be saved into every checkpoint. Its ``step`` is overridden instead by
+giving that one instance a subclass of its own class (``isinstance`` holds; the
+state_dict stays what it was), undone by :meth:`Intercepts.remove`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Intercepts:
 
     def __init__(self) -> None:
         self._installed: list[tuple[Any, str, Any, bool, Any]] = []
+        self._classes: list[tuple[Any, type, type]] = []
 
     def wrap(self, obj: Any, name: str, handler: Handler) -> None:
         """``obj.<name>(*a, **k)`` becomes ``handler(original, *a, **k)``."""
@@ -40,6 +45,21 @@ class Intercepts:
         setattr(obj, name, wrapper)
         self._installed.append((obj, name, original if had_own else None, had_own, method))
 
+    def subclass(self, obj: Any, name: str, handler: Handler) -> None:
+        """Like :meth:`wrap`, through a subclass made for ``obj`` alone."""
+        cls = type(obj)
+        inherited = getattr(cls, name)
+
+        def method(bound_to: Any, *args: Any, **kwargs: Any) -> Any:
+            return handler(inherited.__get__(bound_to, cls), *args, **kwargs)
+
+        method.__name__ = name
+        method.__doc__ = getattr(inherited, "__doc__", None)
+        watched = type(cls.__name__, (cls,), {name: method, "__module__": cls.__module__})
+        watched.__qualname__ = cls.__qualname__
+        obj.__class__ = watched
+        self._classes.append((obj, cls, watched))
+
     def remove(self) -> None:
         """Put back each original where the wrapper is still the one installed (a
         wrapper someone wrapped again stays; it then passes calls through)."""
@@ -52,3 +72,7 @@ class Intercepts:
             else:
                 delattr(obj, name)
         self._installed.clear()
+        for obj, cls, watched in reversed(self._classes):
+            if type(obj) is watched:
+                obj.__class__ = cls
+        self._classes.clear()

@@ -42,25 +42,23 @@ from nanrunbook.capture.incident import SentinelHold, rank_member
 from nanrunbook.capture.telemetry import (
     Alert,
     EarlyWarnings,
-    StepTelemetry,
     TelemetryFile,
     Thresholds,
-    magnitude_alerts,
 )
 from nanrunbook.capture.torch.binding import add_weight, heaviest
-from nanrunbook.capture.torch.checks import Readout, counted, exact_counts, gradients
-from nanrunbook.capture.torch.evidence import StepObjects, capture_step
+from nanrunbook.capture.torch.decide import STOP, Decisions
+from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
+from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
 from nanrunbook.capture.torch.recording import ExtremesSampler, leaf
 from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
 from nanrunbook.capture.torch.snapshot import Buffers, StateSnapshot, reset_scaler_step
-from nanrunbook.capture.torch.steps import ClipCall, GradFindings, StepRecord, grad_probe
+from nanrunbook.capture.torch.steps import ClipCall, StepRecord
 
 __all__ = ["Policy", "Sentinel"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 Policy = Literal["hold", "skip"]
-_GO, _STOP = True, False
 
 
 def _refuse_closure_optimizer(optimizer: Any) -> None:
@@ -87,14 +85,7 @@ def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
     return float(loss_scale)
 
 
-def _topology() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class Sentinel:
+class Sentinel(Decisions):
     """Watches one model, optimizer (and scaler, scheduler) of a training loop.
 
     ``compute_loss(model, batch)`` is the loop's forward and loss, called by
@@ -140,6 +131,7 @@ class Sentinel:
         telemetry: str | Path | Literal[False] | None = None,
         incident_owner: str = "ml-oncall",
         modules: Callable[[str, Any], bool] | None = None,
+        process_group: Any = None,
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
@@ -159,7 +151,7 @@ class Sentinel:
         self.policy: Policy = policy
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
-        self.rank, self.world_size = _topology()
+        self.ranks = Ranks(process_group)
         self.objects = StepObjects(
             model=getattr(model, "module", model)
             if isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -171,8 +163,18 @@ class Sentinel:
             compute_loss=compute_loss,
             choose=modules or leaf,
         )
+        self._local = self._local_gradients(model, process_group)
         self._setup_state(snapshot, telemetry)
         self._install()
+
+    def _local_gradients(self, model: Any, group: Any) -> LocalGradients | None:
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            return LocalGradients(model, group)
+        except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
+            log.info("gradients are checked after the all-reduce only: %s", error)
+            return None
 
     # ------------------------------------------------------------------ set-up
 
@@ -187,7 +189,8 @@ class Sentinel:
         self._step: StepRecord | None = None  # forward seen, no decision yet
         self._pending: StepRecord | None = None  # updated, its flag not read yet
         self._decided: StepRecord | None = None
-        self._skip_rest = False  # the step was skipped: its scaler.update, scheduler.step pass
+        # The step was not applied: its scaler.update and its scheduler.step pass.
+        self._skip_update = self._skip_scheduler = False
         self._scheduler_per_step = True
         self._scheduler_calls = 0
         self._inside_scaler = False
@@ -206,8 +209,8 @@ class Sentinel:
         if given is not None:
             return Path(given)
         name = "telemetry.jsonl"
-        if self.world_size > 1:
-            name = f"telemetry-{rank_member(self.rank)}.jsonl"
+        if self.ranks.several:
+            name = f"telemetry-{rank_member(self.ranks.rank)}.jsonl"
         return self.incident_dir / self.facts.run_id / name
 
     def _install(self) -> None:
@@ -217,7 +220,7 @@ class Sentinel:
             self._intercepts.wrap(self.scaler, "step", self._on_scaler_step)
             self._intercepts.wrap(self.scaler, "update", self._on_scaler_update)
         if self.scheduler is not None:
-            self._intercepts.wrap(self.scheduler, "step", self._on_scheduler_step)
+            self._intercepts.subclass(self.scheduler, "step", self._on_scheduler_step)
         ref = weakref.ref(self)
 
         def flush_at_exit() -> None:
@@ -288,7 +291,7 @@ class Sentinel:
             )
             # On the line of the step the checkpoint follows, when it is still unwritten.
             (self._pending.warnings if self._pending is not None else self._carry).append(alert)
-        self._resolve_pending(checkpointing=checkpoint_id)  # raises on a non-finite update
+        self._resolve_pending(checkpointing=checkpoint_id)  # holds on a non-finite update
         if point is not None:
             self.last_known_good = point
 
@@ -332,7 +335,7 @@ class Sentinel:
     def _on_optimizer_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._inside_scaler or self.closed:
             return original(*args, **kwargs)
-        if self._decide(scaler_path=False) is _STOP:
+        if self._decide(scaler_path=False) is STOP:
             return None
         result = original(*args, **kwargs)
         self._after_update()
@@ -348,7 +351,7 @@ class Sentinel:
         state = self.scaler._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.READY:
             self.scaler.unscale_(optimizer)  # as GradScaler.step would do itself
-        if self._decide(scaler_path=True) is _STOP:
+        if self._decide(scaler_path=True) is STOP:
             return None
         self._inside_scaler = True
         try:
@@ -360,15 +363,15 @@ class Sentinel:
         return result
 
     def _on_scaler_update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._skip_rest and not self.closed:
+        if self._skip_update and not self.closed:
             reset_scaler_step(self.scaler)  # the scale stays; only the step's bookkeeping goes
             return None
         return original(*args, **kwargs)
 
     def _on_scheduler_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._scheduler_calls += 1
-        if self._skip_rest and self._scheduler_per_step and not self.closed:
-            self._skip_rest = False  # only the skipped step's own call
+        if self._skip_scheduler and self._scheduler_per_step and not self.closed:
+            self._skip_scheduler = False  # only the skipped step's own call
             return None
         return original(*args, **kwargs)
 
@@ -379,7 +382,7 @@ class Sentinel:
             self._scheduler_calls > 0 or self.last_step == self.facts.start_step
         )
         self._scheduler_calls = 0
-        self._skip_rest = False
+        self._skip_update = self._skip_scheduler = False
         number = self.last_step + 1
         every = self.thresholds.sample_every
         sampled = every > 0 and number % every == 0
@@ -390,302 +393,3 @@ class Sentinel:
             sampler=ExtremesSampler(self.model, self.objects.choose) if sampled else None,
         )
         return self._step
-
-    def _decide(self, *, scaler_path: bool) -> bool:
-        """The step's one read, then: go on with the update, or not."""
-        step = self._step
-        if step is None or not step.micro:
-            raise RuntimeError(
-                "optimizer.step() without sentinel.forward(batch) since the last step:"
-                " route the loop's forward through the sentinel"
-            )
-        self._step, self._decided = None, step
-        self.last_step = step.number
-        previous, self._pending = self._pending, None
-        readout = Readout()
-        if previous is not None:
-            previous.pack_update(readout)
-        grads = gradients(self._params)
-        found_inf = self._found_inf() if scaler_path else None
-        norms = grad_probe(readout, grads, step.clip, found_inf)
-        step.pack_losses(readout)
-        if self.scaler is not None:
-            readout.add("scale", self.scaler._get_scale_async())
-        sampled_names, _ = step.pack_sampled(readout, grads) if step.sampler else ([], [])
-        del norms
-        values = readout.read()
-        self._read_step(step, values, grads, sampled_names)
-        if previous is not None and not self._settle(previous, values, current=step):
-            return _STOP
-        return self._act(step)
-
-    def _found_inf(self) -> Any:
-        per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
-        flags = list(per_device.values())
-        return torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
-
-    def _read_step(
-        self,
-        step: StepRecord,
-        values: dict[str, list[float]],
-        grads: list[Any],
-        sampled_names: list[str],
-    ) -> None:
-        step.loss_values = values["loss"]
-        step.scale = values["scale"][0] if "scale" in values else self.loss_scale
-        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
-        lr = group.get("lr")
-        step.lr = float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) else None
-        findings = GradFindings()
-        if "found_inf" in values:
-            findings.found_inf = values["found_inf"][0] > 0
-        if "norm" in values:
-            norm = values["norm"][0]
-            clip = step.clip
-            findings.norm = (
-                norm if math.isfinite(norm) and (clip is None or clip.norm_type == 2.0) else None
-            )
-            findings.tripped = not math.isfinite(norm)
-        findings.bounds = {
-            k.split("/", 1)[1]: v[0] for k, v in values.items() if k.startswith("bound/")
-        }
-        if sampled_names:
-            findings.counts = counted(sampled_names, values["grad_rows"])
-        elif findings.tripped or findings.found_inf or self._near_max(findings):
-            findings.counts = exact_counts(grads)  # the slow path: a read of its own
-        if findings.counts and findings.tripped and not findings.nonfinite:
-            findings.tripped = False  # finite values whose squares overflowed
-        step.grads = findings
-        step.read_activations(values)
-        step.warnings += magnitude_alerts("activations (sampled)", step.activation_extremes(values))
-
-    def _near_max(self, findings: GradFindings) -> bool:
-        """The per-tensor norms bound max abs: within 1 bit of a dtype's largest
-        value, measure it exactly rather than warn on a bound."""
-        from nanrunbook.capture.telemetry import headroom_bits
-
-        return any(
-            (bits := headroom_bits(bound, dtype)) is not None and bits < 1
-            for dtype, bound in findings.bounds.items()
-        )
-
-    # ------------------------------------------------------------ the decision
-
-    def _act(self, step: StepRecord) -> bool:
-        grads = step.grads
-        if step.loss_class != "finite":
-            bad = [i for i, v in enumerate(step.loss_values) if not math.isfinite(v)]
-            where = f" in micro-batch {bad[0]}" if len(step.micro) > 1 else ""
-            return self._incident(step, f"non-finite loss ({step.loss_class}){where}", "loss")
-        counts = (
-            f"{grads.nonfinite} non-finite gradient elements"
-            f" ({sum(c.nan for c in grads.counts)} NaN, {sum(c.posinf for c in grads.counts)}"
-            f" +inf, {sum(c.neginf for c in grads.counts)} -inf)"
-        )
-        if grads.found_inf:
-            return self._scaler_skip(step, counts)
-        if grads.tripped:
-            return self._incident(step, f"non-finite gradients: {counts}", "backward")
-        return self._healthy(step)
-
-    def _healthy(self, step: StepRecord) -> bool:
-        grads = step.grads
-        step.warnings += self._early.gradient_norm(grads.norm)
-        step.warnings += magnitude_alerts("gradients", [(c.max_abs, c.dtype) for c in grads.counts])
-        if step.scale is not None and self.scaler is not None:
-            step.warnings += self._early.scaler(False, step.scale, step.scale)
-        step.warnings += self._early.skipped(False)
-        step.updated = [p for p in self._params if p.grad is not None]
-        if step.sampler is not None:
-            step.before = [p.detach().clone() for p in step.updated]
-        if self._snapshot is not None:
-            self._snapshot.take()
-        if step.clip is not None:
-            step.clip.apply()
-        return _GO
-
-    def _scaler_skip(self, step: StepRecord, counts: str) -> bool:
-        """A GradScaler overflow: its designed probing, recorded; an incident only
-        after ``backoff_hold`` in a row or below the scale floor."""
-        assert self.scaler is not None and step.scale is not None
-        after = step.scale * self.scaler.get_backoff_factor()
-        step.warnings += self._early.scaler(True, step.scale, after)
-        if self._early.backoffs >= self.thresholds.backoff_hold:
-            reason = f"{self._early.backoffs} GradScaler overflow skips in a row ({counts})"
-            return self._incident(step, reason, "backward", must_hold=True)
-        if after < self.thresholds.scale_floor:
-            reason = f"the loss scale would fall to {after:g}, below the floor ({counts})"
-            return self._incident(step, reason, "backward", must_hold=True)
-        step.warnings += self._early.skipped(True)
-        log.info(
-            "step %d: GradScaler skipped the update (%s); scale %g -> %g",
-            step.number,
-            counts,
-            step.scale,
-            after,
-        )
-        self._finish(step, skipped=True)
-        return _GO  # the scaler skips optimizer.step() itself and backs off
-
-    def _incident(self, step: StepRecord, reason: str, stage: str, must_hold: bool = False) -> bool:
-        """Non-finite values the update must not see: nothing steps, the buffers
-        the forward wrote are put back; skip (recorded) or hold."""
-        self._stand_down(step)
-        step.warnings += self._early.skipped(True)
-        skips = self._early.skips
-        if self.policy == "skip" and not must_hold and skips <= self.thresholds.skip_hold:
-            log.warning("step %d skipped: %s", step.number, reason)
-            self._finish(step, skipped=True)
-            return _STOP
-        if self.policy == "skip" and not must_hold:
-            reason = f"{reason}; {skips} consecutive skipped steps"
-        raise self._hold(step, reason, stage)
-
-    def _stand_down(self, step: StepRecord) -> None:
-        step.buffers.restore()
-        if self.scaler is not None:
-            reset_scaler_step(self.scaler)
-        self._skip_rest = True
-
-    def _hold(self, step: StepRecord, reason: str, stage: str) -> SentinelHold:
-        """Capture the step's bundle, write its line; the exception to raise."""
-        captured = capture_step(
-            self.objects,
-            self.facts,
-            step,
-            self.last_known_good,
-            self.incident_dir,
-            self.rank if self.world_size > 1 else None,
-        )
-        step.buffers.restore()  # whatever the replay's compute_loss touched
-        self._finish(step, held=True, bundle=captured.bundle)
-        report = captured.report
-        return SentinelHold(
-            step=step.number,
-            reason=reason,
-            stage=report.decision.earliest_nonfinite_stage if report is not None else stage,
-            bundle=captured.bundle,
-            report=report,
-            last_known_good=self.last_known_good,
-            capture_error=captured.error,
-        )
-
-    # -------------------------------------------------------------- the update
-
-    def _after_update(self) -> None:
-        step = self._decided
-        if step is None:
-            return
-        step.watch_update(step.updated, step.before)
-        step.before = None
-        self._pending = step
-
-    def _resolve_pending(self, checkpointing: str | None = None) -> bool:
-        """Read the last update's flag now (one read); False when the update was
-        non-finite and rolled back (under ``skip``)."""
-        previous, self._pending = self._pending, None
-        if previous is None:
-            return True
-        readout = Readout()
-        previous.pack_update(readout)
-        return self._settle(previous, readout.read(), checkpointing=checkpointing)
-
-    def _settle(
-        self,
-        previous: StepRecord,
-        values: dict[str, list[float]],
-        current: StepRecord | None = None,
-        checkpointing: str | None = None,
-    ) -> bool:
-        """The previous step's update, now read: its line, or an incident. With a
-        snapshot the update is rolled back; without one the state is contaminated."""
-        if previous.read_update(values):
-            self._finish(previous)
-            return True
-        update = previous.update
-        assert update is not None
-        reason = (
-            f"non-finite update after optimizer.step(): {update.nan} NaN,"
-            f" {update.posinf} +inf, {update.neginf} -inf in the parameters"
-        )
-        if checkpointing is not None:
-            reason += f"; checkpoint {checkpointing} was saved after it and is no recovery point"
-        if self._snapshot is None or not self._snapshot.taken:
-            self._contaminated(previous, current, reason)
-        assert self._snapshot is not None
-        self._snapshot.restore()
-        previous.buffers.restore()
-        if current is not None:
-            self._stand_down(current)  # it ran on parameters now rolled back
-        previous.warnings += self._early.skipped(True)
-        if (
-            self.policy == "skip"
-            and checkpointing is None
-            and self._early.skips <= self.thresholds.skip_hold
-        ):
-            log.warning("step %d rolled back: %s", previous.number, reason)
-            self._finish(previous, skipped=True)
-            if current is not None:
-                current.warnings += self._early.skipped(True)
-                self._finish(current, skipped=True)
-            return False
-        hold = self._hold(previous, reason + "; rolled back to the pre-step snapshot", "optimizer")
-        if current is not None:
-            self._finish(current, skipped=True)
-        raise hold
-
-    def _contaminated(self, previous: StepRecord, current: StepRecord | None, reason: str) -> None:
-        self._finish(previous, held=True)
-        if current is not None:
-            self._stand_down(current)
-            self._finish(current, skipped=True)
-        raise SentinelHold(
-            step=previous.number,
-            reason=reason,
-            stage="optimizer",
-            bundle=None,
-            report=None,
-            last_known_good=self.last_known_good,
-            contaminated=True,
-            capture_error="no pre-step snapshot to replay from (Sentinel(snapshot=True) keeps one)",
-        )
-
-    # --------------------------------------------------------------- the line
-
-    def _finish(
-        self,
-        step: StepRecord,
-        *,
-        skipped: bool = False,
-        held: bool = False,
-        bundle: Path | None = None,
-    ) -> None:
-        warnings = [*self._carry, *step.warnings]
-        self._carry = []
-        codes = {alert.code for alert in warnings}
-        for alert in warnings:
-            if alert.code not in self._logged_codes:  # a streak is logged once, when it starts
-                log.warning("step %d: %s: %s", step.number, alert.code, alert.message)
-        self._logged_codes = codes
-        if self._telemetry is None:
-            return
-        record = StepTelemetry(
-            run_id=self.facts.run_id,
-            rank=self.rank,
-            world_size=self.world_size,
-            step=step.number,
-            time=step.time,
-            loss=step.loss,
-            loss_class=step.loss_class,  # type: ignore[arg-type]
-            grad=step.grads.telemetry(self._grad_dtype),
-            update=step.update,
-            scale=step.scale,
-            found_inf=step.grads.found_inf,
-            skipped=skipped,
-            held=held,
-            warnings=tuple(warnings),
-            bundle=str(bundle) if bundle is not None else None,
-            activations=step.activations,
-            lr=step.lr,
-        )
-        self._telemetry.append(record)

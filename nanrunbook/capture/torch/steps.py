@@ -23,9 +23,8 @@ from nanrunbook.capture.torch.checks import (
     Counted,
     GradNorms,
     Readout,
-    count_rows,
-    counted,
     exact_counts,
+    max_rows,
     nonfinite_flag,
 )
 from nanrunbook.capture.torch.recording import ExtremesSampler
@@ -70,6 +69,7 @@ class GradFindings:
     bounds: dict[str, float] = field(default_factory=dict)
     found_inf: bool | None = None
     tripped: bool = False  # the cheap check says non-finite
+    local_finite: bool | None = None  # this rank's own, before the all-reduce (DDP)
 
     @property
     def nonfinite(self) -> int:
@@ -112,6 +112,7 @@ class StepRecord:
     losses: list[Any] = field(default_factory=list)  # detached, on their device
     clip: ClipCall | None = None
     # Filled at the decision.
+    sampled_names: list[str] = field(default_factory=list)  # dtypes of exact gradient rows
     loss_values: list[float] = field(default_factory=list)
     grads: GradFindings = field(default_factory=GradFindings)
     scale: float | None = None
@@ -122,7 +123,7 @@ class StepRecord:
     updated: list[Any] = field(default_factory=list)
     before: list[Any] | None = None  # parameters before the update (sampled steps)
     update_flag: Any = None
-    update_rows: tuple[list[str], Any] | None = None
+    update_max: tuple[list[str], Any] | None = None  # sampled: max abs of the update
     update: UpdateTelemetry | None = None
 
     @property
@@ -138,17 +139,18 @@ class StepRecord:
     def pack_losses(self, readout: Readout) -> None:
         readout.add("loss", torch.stack([loss.reshape(()).double() for loss in self.losses]))
 
-    def pack_sampled(self, readout: Readout, grads: list[Any]) -> tuple[list[str], list[str]]:
-        """On a sampled step: exact gradient rows and the activation extremes."""
-        names, rows = count_rows(grads)
+    def pack_sampled(self, readout: Readout, grads: list[Any]) -> list[str]:
+        """On a sampled step: the gradients' max abs per dtype and the activation
+        extremes; returns the dtype names of the maxima."""
+        names, maxima = max_rows(grads)
         if names:
-            readout.add("grad_rows", rows)
+            readout.add("grad_max", maxima)
         sampler = self.sampler
         if sampler is not None and sampler.values:
             readout.add(
                 "act", torch.stack([v.to(sampler.values[0].device) for v in sampler.values])
             )
-        return names, sampler.names if sampler is not None else []
+        return names
 
     def read_activations(self, values: dict[str, list[float]]) -> None:
         sampler = self.sampler
@@ -195,20 +197,19 @@ class StepRecord:
                 deltas = [
                     p.detach().float() - b.float() for p, b in zip(params, before, strict=True)
                 ]
-                self.update_rows = count_rows(deltas)
+                self.update_max = max_rows(deltas)
 
     def pack_update(self, readout: Readout) -> None:
         readout.add("update_flag", self.update_flag)
-        if self.update_rows is not None and self.update_rows[0]:
-            readout.add("update_rows", self.update_rows[1])
+        if self.update_max is not None and self.update_max[0]:
+            readout.add("update_max", self.update_max[1])
 
     def read_update(self, values: dict[str, list[float]]) -> bool:
         """Fill :attr:`update` from the read; True when the update is finite (an
         exact count settles a tripped flag, with a read of its own)."""
         max_abs = None
-        if self.update_rows is not None and self.update_rows[0]:
-            rows = counted(self.update_rows[0], values["update_rows"])
-            max_abs = max((c.max_abs for c in rows if c.max_abs is not None), default=None)
+        if "update_max" in values and all(math.isfinite(v) for v in values["update_max"]):
+            max_abs = max(values["update_max"])
         if math.isfinite(values["update_flag"][0]):
             self.update = UpdateTelemetry(max_abs=max_abs)
             return True
