@@ -1,6 +1,6 @@
 """Benchmark: ``nanrunbook check`` on a big bundle against the SHA-256 floor and torch.
 
-    python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch]
+    python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch] [--baseline DIR]
 
 Generates a bundle of ``--size`` bytes once into ``.bench-cache/`` (see
 ``bundlegen.py``), then times, alternating round by round so that the noise of
@@ -14,7 +14,13 @@ a shared machine falls on every command alike, each in its own subprocess:
 * ``tiny``   -- ``nanrunbook check`` on the smallest fixture: start-up cost;
 * ``library`` -- the same check as ``check`` through ``nanrunbook.check_bundle``
   and the kv renderer in a plain ``python -c``: the difference to ``check`` is
-  the cost of the command-line framework's start-up.
+  the cost of the command-line framework's start-up;
+* ``base``   -- with ``--baseline DIR``, ``nanrunbook check`` from another source
+  tree (say ``git archive`` of an earlier commit unpacked in DIR), so a change is
+  measured against its parent in the same rounds.
+
+``check`` and ``library`` run the nanrunbook of this checkout (``PYTHONPATH`` is
+set to it), whatever an installed copy points at.
 
 It prints the median wall time of each, the ratios, and the peak RSS of each
 subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
@@ -45,9 +51,15 @@ TINY = ROOT / "fixtures" / "continue-all-finite"
 # The same check and kv output through the library, without the CLI framework:
 # shows what the command line's own start-up costs.
 LIBRARY = (
-    "import sys; from nanrunbook import check_bundle; from nanrunbook.output.renderers import RENDERERS; "
-    "r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
+    "import sys; from nanrunbook import check_bundle;"
+    " from nanrunbook.output.renderers import RENDERERS;"
+    " r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
 )
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that makes a child import nanrunbook from ``tree``."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 @dataclass
@@ -55,12 +67,16 @@ class Command:
     name: str
     argv: list[str]
     expect: int  # exit status
+    env: dict[str, str] | None = None
     walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)  # user + system seconds
     rss_kib: list[int] = field(default_factory=list)
 
     def run(self) -> None:
         started = time.perf_counter()
-        process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env
+        )
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
         code = os.waitstatus_to_exitcode(status)
@@ -70,11 +86,16 @@ class Command:
         if process.stderr:
             process.stderr.close()
         self.walls.append(wall)
+        self.cpus.append(usage.ru_utime + usage.ru_stime)
         self.rss_kib.append(usage.ru_maxrss)  # KiB on Linux
 
     @property
     def median(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
 
     @property
     def peak_mb(self) -> float:
@@ -91,24 +112,30 @@ def torch_available() -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="1GiB", help="bundle size, e.g. 1GiB, 4GiB, 256MiB")
     parser.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--baseline", type=Path, help="another nanrunbook source tree, timed as 'base'"
+    )
+    return parser.parse_args()
 
-    size = parse_size(args.size)
-    bundle = ensure_bundle(args.cache, size)
-    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+
+def build_commands(bundle: Path, args: argparse.Namespace) -> list[Command]:
     check = nanrunbook_argv()
+    mine = tree_env(ROOT)
     commands = [
-        Command("check", [*check, "check", "--format", "kv", str(bundle)], expect=1),
+        Command("check", [*check, "check", "--format", "kv", str(bundle)], 1, mine),
         Command("sha256", [sys.executable, str(HERE / "sha_floor.py"), str(bundle)], expect=0),
-        Command("tiny", [*check, "check", "--format", "kv", str(TINY)], expect=0),
-        Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], expect=1),
+        Command("tiny", [*check, "check", "--format", "kv", str(TINY)], 0, mine),
+        Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], 1, mine),
     ]
+    if args.baseline:
+        base_argv = [*check, "check", "--format", "kv", str(bundle)]
+        commands.append(Command("base", base_argv, 1, tree_env(args.baseline.resolve())))
     if args.no_torch:
         print("torch baseline skipped (--no-torch)")
     elif torch_available():
@@ -117,7 +144,10 @@ def main() -> None:
         )
     else:
         print("torch baseline skipped: torch is not installed (pip install torch==2.13.0)")
+    return commands
 
+
+def describe_setup(bundle: Path, data_bytes: int, baseline: Path | None) -> None:
     print(
         f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {len(tensor_files(bundle))} files)"
     )
@@ -130,50 +160,79 @@ def main() -> None:
     print("           and the bundle fits in memory, so each timed run reads the page cache")
     # An installed package has its bytecode compiled (pip does it); this tree may not,
     # when PYTHONDONTWRITEBYTECODE is set. Compile it so start-up is measured as installed.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "nanrunbook")], check=True)
+    for tree in [ROOT, *([baseline] if baseline else [])]:
+        compile_tree = [sys.executable, "-m", "compileall", "-q", str(tree / "nanrunbook")]
+        subprocess.run(compile_tree, check=True)
     print("bytecode   nanrunbook compiled first, as an installed package is")
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
     print(f"RSS        this script: {own:.1f} MB (a child's peak RSS cannot be below it)")
-    for command in commands:  # warm-up, untimed
+
+
+def run_rounds(commands: list[Command], runs: int) -> None:
+    """An untimed warm-up of each, then ``runs`` rounds, each starting one later."""
+    for command in commands:
         command.run()
         command.walls.clear()
+        command.cpus.clear()
         command.rss_kib.clear()
-    for round_ in range(args.runs):
+    for round_ in range(runs):
         order = commands[round_ % len(commands) :] + commands[: round_ % len(commands)]
         for command in order:
             command.run()
         print(
-            f"round {round_ + 1}/{args.runs}: "
+            f"round {round_ + 1}/{runs}: "
             + "  ".join(f"{c.name} {c.walls[-1]:.3f}s" for c in commands),
             flush=True,
         )
 
+
+def report(commands: list[Command], args: argparse.Namespace, data_bytes: int) -> None:
     by = {c.name: c for c in commands}
     print()
     print(
-        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12}  (runs: {args.runs})"
+        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
+        f" {'peak RSS MB':>12}  (runs: {args.runs}; cpu: median user + system)"
     )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.peak_mb:12.1f}"
+            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f" {c.peak_mb:12.1f}"
         )
     print()
-    ratio = by["check"].median / by["sha256"].median
-    gbps = data_bytes / by["check"].median / 1e9
+    check, sha = by["check"], by["sha256"]
     print(
-        f"check / sha256 floor  {ratio:.2f} x   (target <= 0.75, at least < 1.0)  check reads {gbps:.2f} GB/s"
+        f"check / sha256 floor  {check.median / sha.median:.2f} x   (target <= 0.75, at least"
+        f" < 1.0)  check reads {data_bytes / check.median / 1e9:.2f} GB/s"
     )
     if "torch" in by:
-        speedup = by["torch"].median / by["check"].median
-        print(f"torch / check         {speedup:.1f} x   (target >= 5)")
-    lib = by["library"].median / by["sha256"].median
+        print(f"torch / check         {by['torch'].median / check.median:.1f} x   (target >= 5)")
+    if "base" in by:
+        base = by["base"]
+        print(
+            f"base / sha256 floor   {base.median / sha.median:.2f} x   "
+            f"check / base {check.median / base.median:.3f} x   ({args.baseline})"
+        )
+        print(
+            f"cpu: check / base     {check.cpu / base.cpu:.3f} x   "
+            f"check / sha256 {check.cpu / sha.cpu:.2f} x (less sensitive to load)"
+        )
+    lib = by["library"].median / sha.median
     print(f"library / sha256      {lib:.2f} x   (the same check without the CLI framework)")
-    print(
-        f"check peak RSS        {by['check'].peak_mb:.1f} MB (target <= 160) at {show_size(size)}"
-    )
+    size = show_size(parse_size(args.size))
+    print(f"check peak RSS        {check.peak_mb:.1f} MB (target <= 160) at {size}")
     print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
     print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
     print("                      others were running too and the ratios are pessimistic)")
+
+
+def main() -> None:
+    args = parse_args()
+    bundle = ensure_bundle(args.cache, parse_size(args.size))
+    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+    commands = build_commands(bundle, args)
+    describe_setup(bundle, data_bytes, args.baseline)
+    run_rounds(commands, args.runs)
+    report(commands, args, data_bytes)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bundlegen import ensure_bundle, parse_size, tensor_files  # noqa: E402
 
+from nanrunbook.dtypes import WHOLE_ELEMENTS_BYTES  # noqa: E402
 from nanrunbook.tensors.safetensors import read_header  # noqa: E402
 from nanrunbook.tensors.scan import CHUNK_SIZE, ScanJob, scan_all  # noqa: E402
 
@@ -90,7 +91,7 @@ def copy_only(jobs: list[ScanJob], buffer: bytearray) -> None:
 
 
 def chunk(size: int) -> int:
-    return size - size % 24
+    return size - size % WHOLE_ELEMENTS_BYTES
 
 
 def variants(jobs: list[ScanJob]) -> dict[str, Callable[[], object]]:

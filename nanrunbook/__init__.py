@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     )
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.precision import WarningThresholds, headroom
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
@@ -47,6 +48,8 @@ _LAZY = {
     "Violation": ".errors",
     "Report": ".verdict.report",
     "report_document": ".verdict.report",
+    "WarningThresholds": ".verdict.precision",
+    "headroom": ".verdict.precision",
 }
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
     "EvidenceRejected",
     "Report",
     "Violation",
+    "WarningThresholds",
     "__version__",
     "check_bundle",
     "contract_content_id",
@@ -63,6 +67,7 @@ __all__ = [
     "decide",
     "diff_bundles",
     "diff_document",
+    "headroom",
     "report_document",
 ]
 

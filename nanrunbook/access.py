@@ -88,20 +88,16 @@ def _reject(code: str, relpath: str, message: str) -> EvidenceRejected:
 
 
 def os_error(relpath: str, err: OSError, doing: str) -> EvidenceRejected:
-    shown = quote(relpath)
+    # The violation's ``where`` names the file: messages do not repeat it.
     reason = os.strerror(err.errno) if err.errno else type(err).__name__
     if doing == "opening" and err.errno in (errno.ELOOP, errno.ENOTDIR):
         # realpath just saw real directories and a real file: a symlink appeared since.
-        return _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown} changed while being opened"
-        )
+        return _reject("FILE_UNREADABLE", relpath, "tensor file changed while being opened")
     if isinstance(err, FileNotFoundError | NotADirectoryError):
-        return _reject("FILE_MISSING", relpath, f"tensor file {shown} does not exist")
+        return _reject("FILE_MISSING", relpath, "tensor file does not exist")
     if err.errno == errno.ELOOP:
-        return _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown}: symlink loop while {doing}"
-        )
-    return _reject("FILE_UNREADABLE", relpath, f"tensor file {shown}: {reason} while {doing}")
+        return _reject("FILE_UNREADABLE", relpath, f"tensor file: symlink loop while {doing}")
+    return _reject("FILE_UNREADABLE", relpath, f"tensor file: {reason} while {doing}")
 
 
 # O_PATH opens a directory for use as dir_fd without needing read permission on it.
@@ -125,14 +121,13 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     unsafe = check_relative_path(relpath)
     if unsafe:
         raise EvidenceRejected(unsafe)
-    shown = quote(relpath)
     try:
         root = os.path.realpath(bundle_dir, strict=True)
     except OSError as err:
         raise _reject(
             "FILE_MISSING" if isinstance(err, FileNotFoundError) else "FILE_UNREADABLE",
             relpath,
-            f"bundle directory cannot be resolved for tensor file {shown}",
+            "bundle directory cannot be resolved for this tensor file",
         ) from None
     try:
         # strict: a missing target or a symlink loop raises instead of looping or guessing.
@@ -143,14 +138,14 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
         raise _reject(
             "FILE_OUTSIDE_BUNDLE",
             relpath,
-            f"tensor file {shown} resolves through a symlink to a path outside the bundle",
+            "tensor file resolves through a symlink to a path outside the bundle",
         )
     parts = [] if target == root else os.path.relpath(target, root).split(os.sep)
     if not parts:
-        raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} is the bundle directory")
+        raise _reject("FILE_NOT_REGULAR", relpath, "tensor file is the bundle directory")
     if relpath.endswith(("/", "/.")):
         # realpath drops the trailing "/", but the path names a directory (POSIX).
-        raise _reject("FILE_NOT_REGULAR", relpath, f"tensor file {shown} names a directory")
+        raise _reject("FILE_NOT_REGULAR", relpath, "tensor file path names a directory")
 
     opened: list[int] = []
     try:
@@ -165,7 +160,7 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
             raise _reject(
                 "FILE_NOT_REGULAR",
                 relpath,
-                f"tensor file {shown} is a {_kind(before.st_mode)}, not a regular file",
+                f"tensor file is a {_kind(before.st_mode)}, not a regular file",
             )
         try:
             fd = os.open(parts[-1], _O_FILE, dir_fd=opened[-1])
@@ -184,13 +179,11 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
         raise _reject(
             "FILE_NOT_REGULAR",
             relpath,
-            f"tensor file {shown} is a {_kind(after.st_mode)}, not a regular file",
+            f"tensor file is a {_kind(after.st_mode)}, not a regular file",
         )
     if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
-        raise _reject(
-            "FILE_UNREADABLE", relpath, f"tensor file {shown} was replaced while being opened"
-        )
+        raise _reject("FILE_UNREADABLE", relpath, "tensor file was replaced while being opened")
     return fd
 
 

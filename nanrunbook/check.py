@@ -7,6 +7,7 @@ of tensor data is read, so hostile declarations cost nothing to refuse.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from nanrunbook.access import read_manifest_bytes
@@ -18,6 +19,7 @@ from nanrunbook.manifest.rules import scaler_stage_violations
 from nanrunbook.strictjson import load_manifest_bytes
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
+from nanrunbook.verdict.precision import WarningThresholds, early_warnings
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import checklist
 
@@ -29,13 +31,16 @@ def check_bundle(
     *,
     caps: Caps | None = None,
     progress: Progress | None = None,
+    thresholds: WarningThresholds | None = None,
 ) -> Report:
     """Check the evidence bundle at ``path``.
 
     Returns a :class:`~nanrunbook.verdict.report.Report` (HOLD or CONTINUE) or raises
     :class:`~nanrunbook.errors.EvidenceRejected` listing every violation found.
     Never writes. ``progress``, if given, is called with each tensor's byte count
-    as it is read.
+    as it is read. ``thresholds`` sets when the report's early warnings fire
+    (default :class:`~nanrunbook.verdict.precision.WarningThresholds`); warnings never
+    change the decision or the exit code.
     """
     caps = caps or Caps()
     bundle = Path(path)
@@ -69,7 +74,7 @@ def check_bundle(
         raise EvidenceRejected(violations)
 
     decision = decide(findings)
-    return Report(
+    report = Report(
         bundle=str(bundle),
         contract_content_id=contract_content_id(caps),
         manifest=manifest,
@@ -77,3 +82,4 @@ def check_bundle(
         decision=decision,
         checklist=checklist(decision.earliest_nonfinite_stage),
     )
+    return replace(report, warnings=early_warnings(report, thresholds))

@@ -12,6 +12,9 @@ __all__ = [
     "Binding",
     "Counts",
     "Decision",
+    "EarlyWarning",
+    "Extremes",
+    "Headroom",
     "LastKnownGood",
     "Manifest",
     "Scaler",
@@ -19,6 +22,7 @@ __all__ = [
     "StageRecord",
     "TensorEntry",
     "TensorFinding",
+    "TensorHeadroom",
 ]
 
 STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
@@ -132,12 +136,39 @@ class Manifest:
 
 
 @dataclass(frozen=True, slots=True)
+class Extremes:
+    """The exact extremes of one floating tensor's finite values, read from its bits.
+
+    For C64 the values are the real and imaginary parts of its finite elements
+    (two per element). ``min``/``max`` are signed (``-0.0`` when the only values are
+    negative zeros); they, ``max_abs`` and ``min_nonzero_abs`` are None when there
+    is no finite value (or, for ``min_nonzero_abs``, no non-zero one).
+    """
+
+    values: int  # finite values these extremes cover
+    min: float | None
+    max: float | None
+    min_nonzero_abs: float | None  # smallest non-zero magnitude
+    zeros: int  # values equal to +0 or -0
+    subnormals: int  # non-zero values below the dtype's smallest normal magnitude
+
+    @property
+    def max_abs(self) -> float | None:
+        if self.min is None or self.max is None:
+            return None
+        return max(-self.min, self.max)
+
+
+@dataclass(frozen=True, slots=True)
 class TensorFinding:
     """A tensor after the check: recounted counts, or None for a summary entry."""
 
     entry: TensorEntry
     counts: Counts | None
     finite_max_abs: float | None
+    # Finite extremes of a recounted floating tensor; None for a summary entry, an
+    # integer or BOOL tensor, or a tensor whose file was not read.
+    extremes: Extremes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +205,57 @@ class Decision:
     first_nonfinite_tensor: str | None
     action: str
     root_cause_claim: str
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """One tensor's finite values against one floating dtype's largest finite value.
+
+    Facts, not accusations: the tool does not know the next operation. The limits
+    are the dtype's; the flags say whether this tensor's values pass them.
+    """
+
+    dtype: str
+    max_finite: float  # the dtype's largest finite value
+    # log2(max_finite / max_abs): 0 at the maximum, below 0 beyond it; None when no
+    # finite value is non-zero.
+    bits: float | None
+    exp_limit: float  # ln(max_finite): exp() of a larger value overflows
+    square_limit: float  # sqrt(max_finite): the square of a larger magnitude overflows
+    reciprocal_limit: float  # 1 / max_finite: the reciprocal of a smaller magnitude overflows
+    exp_overflows: bool  # the largest value is above exp_limit
+    square_overflows: bool  # max_abs is above square_limit
+    reciprocal_overflows: bool  # the smallest non-zero magnitude is below reciprocal_limit
+    sum_can_overflow: bool  # finite elements x max_abs is above max_finite
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHeadroom:
+    """A recounted floating tensor's headroom to its own dtype and, for a stage
+    computed in the binding's ``precision.compute_dtype`` (input, forward, loss),
+    to that dtype."""
+
+    stage: str
+    index: int  # the tensor's index within its stage (capture order)
+    tensor: str  # its name: untrusted, quote it when printing
+    dtype: str
+    counts: Counts
+    extremes: Extremes
+    own: Headroom
+    compute: Headroom | None
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyWarning:
+    """A warning about a tensor's values; never changes the decision or exit code.
+
+    ``code`` is one of :data:`nanrunbook.warning_codes.WARNING_CODES`. ``message``
+    is one printable ASCII line that does not repeat the tensor's name, which is
+    untrusted (``index`` is safe in key=value output).
+    """
+
+    code: str
+    stage: str
+    tensor: str
+    index: int
+    message: str

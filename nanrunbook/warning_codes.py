@@ -14,7 +14,10 @@ __all__ = ["WARNING_CODES"]
 WARNING_CODES = MappingProxyType(
     {
         "AT_DTYPE_MAX": "a finite value equals its dtype's largest finite value (saturated)",
-        "NEAR_DTYPE_MAX": "a finite value is less than 1 bit below its dtype's largest finite value",
+        "NEAR_DTYPE_MAX": (
+            "a finite value is less than 1 bit (by default) below its dtype's, or the stage's"
+            " compute dtype's, largest finite value"
+        ),
         "BEYOND_COMPUTE_DTYPE": "a finite value the stage's compute dtype cannot represent",
         "GRADIENT_UNDERFLOW": (
             "a share of zero or subnormal F16/BF16 gradients above the threshold,"

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from nanrunbook.records import Extremes
 from nanrunbook.tensors.counting import Tally
 
 
@@ -40,3 +41,37 @@ def reference_c64(re: np.ndarray[Any, Any], im: np.ndarray[Any, Any]) -> Tally:
         neginf=int((inf & negative).sum()),
         max_abs=float(mags.max()) if mags.size else None,
     )
+
+
+def reference_extremes(values: np.ndarray[Any, Any], smallest_normal: float) -> Extremes:
+    """Expected finite extremes of real values by float semantics; ``smallest_normal``
+    comes from ``ml_dtypes.finfo`` / ``numpy.finfo``, not from nanrunbook's table."""
+    with np.errstate(invalid="ignore"):
+        as64 = values.astype(np.float64).reshape(-1)
+    finite = as64[np.isfinite(as64)]
+    mags = np.abs(finite)
+    nonzero = mags[mags != 0]
+    # -0 orders below +0, as in IEEE 754 totalOrder (numpy's min/max pick either).
+    zero_signs = np.signbit(finite[finite == 0])
+    low = high = None
+    if finite.size:
+        low, high = float(finite.min()), float(finite.max())
+        if low == 0:
+            low = -0.0 if zero_signs.any() else 0.0
+        if high == 0:
+            high = 0.0 if not zero_signs.all() else -0.0
+    return Extremes(
+        values=int(finite.size),
+        min=low,
+        max=high,
+        min_nonzero_abs=float(nonzero.min()) if nonzero.size else None,
+        zeros=int(np.count_nonzero(finite == 0)),
+        subnormals=int(np.count_nonzero(nonzero < smallest_normal)),
+    )
+
+
+def reference_extremes_c64(re: np.ndarray[Any, Any], im: np.ndarray[Any, Any]) -> Extremes:
+    """Expected C64 extremes: over the real and imaginary parts of finite elements."""
+    finite = np.isfinite(re) & np.isfinite(im)
+    parts = np.concatenate([re[finite], im[finite]])
+    return reference_extremes(parts, float(np.finfo(np.float32).smallest_normal))

@@ -131,3 +131,17 @@ def test_sentinel_example_warns_before_it_holds(ran: Ran) -> None:
     first_warning, held = (int(n) for n in re.findall(r"step (\d+)", summary))
     assert first_warning < held
     assert bundle.name == str(held) and bundle.parent.name == "example-warmup-blowup"
+
+
+def test_fp16_example_warns_that_the_input_is_beyond_the_compute_dtype(ran: Ran) -> None:
+    """Issue 11: the float32 batch holds 70354.1 while the compute dtype is F16: the
+    cause of the overflow, named on the input, without changing the HOLD."""
+    done, bundle = ran("fp16_overflow_gradscaler.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(run("-m", "nanrunbook", "check", "--format", "json", str(bundle)).stdout)
+    beyond = [w for w in report["warnings"] if w["code"] == "BEYOND_COMPUTE_DTYPE"]
+    assert [(w["stage"], w["tensor"], w["index"]) for w in beyond] == [("input", "batch/x", 0)]
+    assert "F16" in beyond[0]["message"] and "65504" in beyond[0]["message"]
+    x = report["stages"][0]["tensors"][0]
+    assert x["extremes"]["max_abs"] > 65504 >= x["headroom"]["compute"]["max_finite"]
+    assert (report["decision"], report["exit_code"]) == ("HOLD", 1)

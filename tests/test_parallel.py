@@ -40,7 +40,7 @@ from nanrunbook.errors import Violation
 from nanrunbook.manifest.parse import parse_manifest
 from nanrunbook.records import StageFinding
 from nanrunbook.strictjson import load_manifest_bytes
-from nanrunbook.tensors.counting import tally_bytes
+from nanrunbook.tensors.counting import extremes_bytes, tally_bytes
 from nanrunbook.tensors.scan import CHUNK_SIZE, ScanJob, ShortRead, TensorScan, scan_all, scan_range
 from nanrunbook.tensors.verify import verify_bundle
 
@@ -103,6 +103,13 @@ def many_tensors(chunk: int, seed: int) -> tuple[bytes, list[ScanJob], list[byte
     return bytes(content), jobs, [blob for _, blob in blobs]
 
 
+def in_memory(dtype: str, blob: bytes) -> TensorScan:
+    """The scan a tensor held in memory gets: its digest, tally and extremes."""
+    return TensorScan(
+        hashlib.sha256(blob).hexdigest(), tally_bytes(dtype, blob), extremes_bytes(dtype, blob)
+    )
+
+
 def with_fd(jobs: list[ScanJob], fd: int) -> list[ScanJob]:
     return [ScanJob(fd, j.offset, j.length, j.dtype) for j in jobs]
 
@@ -116,10 +123,7 @@ def test_many_tensors_match_one_thread_and_reference(workers: int) -> None:
         one = scan_all(jobs, workers=1, chunk_size=chunk)
         many = scan_all(jobs, workers=workers, chunk_size=chunk)
         default = scan_all(jobs)
-    expected = [
-        TensorScan(hashlib.sha256(blob).hexdigest(), tally_bytes(job.dtype, blob))
-        for job, blob in zip(jobs, blobs, strict=True)
-    ]
+    expected = [in_memory(job.dtype, blob) for job, blob in zip(jobs, blobs, strict=True)]
     assert one == expected
     assert many == expected
     assert default == expected
@@ -149,7 +153,7 @@ def test_random_jobs_any_chunk_any_workers(
     with file_with(bytes(content)) as fd:
         got = scan_all(with_fd(jobs, fd), workers=workers, chunk_size=24 * chunk_units)
     for result, job, blob in zip(got, jobs, blobs, strict=True):
-        assert result == TensorScan(hashlib.sha256(blob).hexdigest(), tally_bytes(job.dtype, blob))
+        assert result == in_memory(job.dtype, blob)
 
 
 @pytest.mark.parametrize("overlap", ["never", "tail", "always"])

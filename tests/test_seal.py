@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -384,6 +385,56 @@ def test_cli_seal_help_has_an_example() -> None:
     done = run("seal", "--help")
     assert done.returncode == 0
     assert "Example: nanrunbook seal" in done.stdout and "--force" in done.stdout
+
+
+# ---- the header bound is check's ------------------------------------------------------
+
+
+def pad_header(bundle: Path, length: int) -> None:
+    """Rewrite the tensor file with its header padded by spaces to ``length`` bytes."""
+    header, data = read_tensor_file(bundle)
+    text = json.dumps(header).encode()
+    raw = struct.pack("<Q", length) + text + b" " * (length - len(text)) + data
+    (bundle / "tensors.safetensors").write_bytes(raw)
+
+
+def bound_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        entry
+        for stage in manifest["stages"]
+        if stage["status"] == "OBSERVED" and stage.get("resolution") == "complete"
+        for entry in stage["tensors"]
+    ]
+
+
+@pytest.mark.parametrize("spellings", [False, True])
+@pytest.mark.parametrize("over", [0, 8])
+def test_seal_bounds_headers_as_check_does(tmp_path: Path, over: int, spellings: bool) -> None:
+    """Spec section 1: 4 MiB + 4 KiB per entry the manifest binds to the file, for
+    every command; two spellings of one path bind to one file."""
+    sealed_bundle = copy_fixture(tmp_path / "sealed")
+    bundle = unsealed(tmp_path / "unsealed")
+    for target in (sealed_bundle, bundle):
+        manifest = load(target)
+        entries = bound_entries(manifest)
+        assert len(entries) > 1 and all(e["file"] == "tensors.safetensors" for e in entries)
+        if spellings:
+            entries[0]["file"] = "./tensors.safetensors"
+            save(target, manifest, reseal="evidence_content_id" in manifest)
+        pad_header(target, 4 * 1024 * 1024 + 4096 * len(entries) + over)
+    if over:
+        with pytest.raises(EvidenceRejected) as refused:
+            seal_bundle(bundle)
+        assert refused.value.codes == ("SEAL_TENSOR_UNREADABLE",)
+        assert "HEADER_LENGTH_INVALID" in refused.value.violations[0].message
+        assert not any("sha256" in entry for entry in bound_entries(load(bundle)))
+        with pytest.raises(EvidenceRejected) as rejected:
+            check_bundle(sealed_bundle)
+        assert rejected.value.codes == ("HEADER_LENGTH_INVALID",)
+    else:
+        seal_bundle(bundle)
+        for target in (bundle, sealed_bundle):
+            assert check_bundle(target).decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
 
 
 # ---- what a refusal and a forced seal say (found in independent testing) ------------

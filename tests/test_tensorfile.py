@@ -61,6 +61,7 @@ def rejected(path: Path, content: bytes, **kw: Any) -> EvidenceRejected:
     for v in info.value.violations:
         assert v.code in CODES
         assert v.where == "t.safetensors"
+        assert "t.safetensors" not in v.message  # issue 10: the where is not repeated
     return info.value
 
 
@@ -205,7 +206,8 @@ def test_length_just_past_end_of_file(f: Path) -> None:
     assert error.codes == ("HEADER_LENGTH_INVALID",)
     assert "past the end" in error.violations[0].message
     # 8 + N == size exactly: the header is read, and the tensor range runs past the end
-    assert codes(f, raw_file(header + b"  ")) == ["HEADER_OFFSETS_INVALID"]
+    # (issue 10: a file cut short is FILE_TRUNCATED, no longer HEADER_OFFSETS_INVALID)
+    assert codes(f, raw_file(header + b"  ")) == ["FILE_TRUNCATED"]
 
 
 @pytest.fixture
@@ -431,9 +433,27 @@ def test_data_but_no_tensors_is_trailing(f: Path) -> None:
 
 
 def test_range_past_end_of_file(f: Path) -> None:
+    # issue 10: a file cut short is FILE_TRUNCATED, no longer HEADER_OFFSETS_INVALID
     error = offsets_codes(f, [(0, 4), (4, 8)], 6)
-    assert error.codes == ("HEADER_OFFSETS_INVALID",)
-    assert "past the end" in error.violations[0].message
+    assert error.codes == ("FILE_TRUNCATED",)
+    header_end = f.stat().st_size - 6
+    assert error.violations[0].message.startswith(
+        f"the file has {header_end + 6} bytes but its header's byte ranges need {header_end + 8}"
+    )
+
+
+def test_a_file_cut_short_is_one_violation_that_names_the_file_once(f: Path) -> None:
+    """Issue 10 item 7: one FILE_TRUNCATED, however many tensors lost data; the
+    message does not repeat the file its ``where`` names."""
+    error = offsets_codes(f, [(4 * i, 4 * i + 4) for i in range(5)], 3)
+    assert error.codes == ("FILE_TRUNCATED",)
+    (violation,) = error.violations
+    assert violation.where == "t.safetensors" and "t.safetensors" not in violation.message
+    # A header that could not tile a longer file either is wrong, not cut short: one
+    # violation for the ranges past the end, one for the overlap.
+    both = offsets_codes(f, [(0, 4), (2, 6), (6, 20), (20, 24)], 8)
+    assert both.codes == ("HEADER_OFFSETS_INVALID", "HEADER_OFFSETS_INVALID")
+    assert "and 1 more" in both.violations[0].message
 
 
 def test_zero_length_ranges_on_boundaries_accepted(f: Path) -> None:

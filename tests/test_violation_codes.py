@@ -18,6 +18,7 @@ from bundlekit import copy_fixture, load, read_tensor_file, save, write_tensor_f
 
 from nanrunbook import Caps, EvidenceRejected, check_bundle
 from nanrunbook.codes import CODES
+from nanrunbook.errors import quote
 
 Case = Callable[[Path, pytest.MonkeyPatch], "tuple[Path, Caps | None]"]
 CASES: dict[str, Case] = {}
@@ -561,6 +562,14 @@ def _(tmp, mp):
     return header_edit(tmp, change), None
 
 
+@case("FILE_TRUNCATED")
+def _(tmp, mp):
+    bundle = copy_fixture(tmp)
+    path = bundle / "tensors.safetensors"
+    os.truncate(path, path.stat().st_size - 5)
+    return bundle, None
+
+
 # ---- binding and recount ------------------------------------------------------------
 
 
@@ -639,6 +648,9 @@ def test_code_is_emitted(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for violation in info.value.violations:
         assert violation.code in CODES
         assert "\n" not in violation.message and violation.message
+        # issue 10: a message never repeats its own where (the file it names)
+        assert violation.where not in violation.message, violation
+        assert quote(violation.where) not in violation.message, violation
 
 
 def test_every_code_has_a_case() -> None:
@@ -650,6 +662,20 @@ def test_every_code_is_tested_somewhere() -> None:
     tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
     missing = [code for code in CODES if f'"{code}"' not in tests]
     assert missing == []
+
+
+def test_a_tensor_file_cut_short_is_one_violation(tmp_path: Path) -> None:
+    """Issue 10 item 7: every tensor of the file lost data, one violation says why."""
+    bundle = copy_fixture(tmp_path)
+    path = bundle / "tensors.safetensors"
+    size = path.stat().st_size
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    os.truncate(path, header_end)  # every tensor's data gone
+    with pytest.raises(EvidenceRejected) as info:
+        check_bundle(bundle)
+    (violation,) = info.value.violations
+    assert (violation.code, violation.where) == ("FILE_TRUNCATED", "tensors.safetensors")
+    assert f"has {header_end} bytes but its header's byte ranges need {size}" in violation.message
 
 
 def test_a_malformed_content_id_is_reported_once(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, EVIDENCE_ID_PREFIX, 
 from nanrunbook.strictjson import child_path, load_manifest_bytes
 from nanrunbook.tensors.safetensors import TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ShortRead, scan_range
+from nanrunbook.tensors.verify import header_limit
 
 __all__ = ["CODES", "Replacement", "SealResult", "seal_bundle"]
 
@@ -142,35 +143,57 @@ def _complete_entries(tree: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any
 
 
 class _Files:
-    """Tensor files opened once each through the bundle's safe access."""
+    """Tensor files opened once each through the bundle's safe access, their headers
+    read within the bound ``check`` applies: one per tensor entry the manifest
+    binds to the file, whatever spellings of its path the entries use."""
 
-    def __init__(self, bundle: Path) -> None:
-        self.bundle = bundle
+    def __init__(self, bundle: Path, entries: Iterable[dict[str, Any]]) -> None:
         self._open: dict[str, tuple[int, TensorFileHeader] | EvidenceRejected] = {}
+        self._fds: list[int] = []
+        bound: dict[str, int] = {}
+        for entry in entries:
+            bound[entry["file"]] = bound.get(entry["file"], 0) + 1
+        try:
+            self._read_headers(bundle, bound)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_headers(self, bundle: Path, bound: dict[str, int]) -> None:
+        opened: dict[str, int] = {}
+        per_file: dict[tuple[int, int], int] = {}
+        for relpath, count in bound.items():
+            try:
+                fd = open_in_bundle(bundle, relpath)
+            except EvidenceRejected as error:
+                self._open[relpath] = error
+                continue
+            self._fds.append(fd)
+            opened[relpath] = fd
+            identity = _identity(fd)
+            per_file[identity] = per_file.get(identity, 0) + count
+        for relpath, fd in opened.items():
+            limit = header_limit(per_file[_identity(fd)])
+            try:
+                self._open[relpath] = (fd, read_header(fd, relpath, max_header_len=limit))
+            except EvidenceRejected as error:
+                self._open[relpath] = error
 
     def header(self, relpath: str) -> tuple[int, TensorFileHeader]:
-        known = self._open.get(relpath)
-        if known is None:
-            try:
-                fd = open_in_bundle(self.bundle, relpath)
-            except EvidenceRejected as error:
-                known = error
-            else:
-                try:
-                    known = (fd, read_header(fd, relpath))
-                except EvidenceRejected as error:
-                    os.close(fd)
-                    known = error
-            self._open[relpath] = known
+        known = self._open[relpath]
         if isinstance(known, EvidenceRejected):
             raise known
         return known
 
     def close(self) -> None:
-        for value in self._open.values():
-            if not isinstance(value, EvidenceRejected):
-                os.close(value[0])
-        self._open.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _digest(files: _Files, entry: dict[str, Any], where: str) -> str:
@@ -231,9 +254,10 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
     differs: list[Violation] = []
     original_id = evidence_content_id(tree)
 
-    files = _Files(path)
+    entries = list(_complete_entries(tree))
+    files = _Files(path, (entry for _, entry in entries))
     try:
-        for where, entry in _complete_entries(tree):
+        for where, entry in entries:
             actual = _digest(files, entry, where)
             if "sha256" not in entry:
                 _insert(entry, "sha256", actual, _TENSOR_KEY_ORDER)

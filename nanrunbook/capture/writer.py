@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanrunbook.capture.atomic import atomic_directory, write_synced
 from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
+from nanrunbook.dtypes import DTYPES, NUMPY_DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
 from nanrunbook.manifest.parse import RECOVERY_PARTS
@@ -41,29 +42,6 @@ __all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw", "register_conv
 
 TENSOR_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
-
-# numpy dtype names (ml_dtypes names included) -> safetensors dtype names.
-NUMPY_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "complex64": "C64",
-    "bfloat16": "BF16",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e8m0fnu": "F8_E8M0",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
 
 
 # A framework's tensor type -> its converter to RawTensor; filled by the framework
@@ -110,7 +88,7 @@ def as_raw(value: Any) -> RawTensor:
             " of its framework first (nanrunbook.capture.torch for torch) or pass a RawTensor"
         ) from None
     shape = tuple(int(d) for d in array.shape)
-    if array.dtype.name == "float4_e2m1fn":
+    if array.dtype.name == DTYPES["F4"].numpy:  # unpacked: one element per byte
         if array.size % 2:
             raise TypeError(f"F4 packs two elements to a byte; {array.size} elements do not")
         nibbles = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & 0x0F

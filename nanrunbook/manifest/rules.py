@@ -174,17 +174,13 @@ def stage_violations(record: StageRecord, path: str) -> list[Violation]:
     return found
 
 
-# Dtypes with an infinity encoding; the other floating ones have at most NaN (spec 6).
-_INFINITY_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "C64", "F8_E5M2"})
-
-
 def _impossible_counts(record: StageRecord, path: str) -> list[Violation]:
     """Non-finite counts that no data of the stage's dtypes could give (an integer has
     no NaN, F8_E4M3 no infinity): a summary is only declared, so this is its check."""
     counts = record.counts
     assert counts is not None
     can_nan = sum(t.elements for t in record.tensors if DTYPES[t.dtype].has_nonfinite)
-    can_inf = sum(t.elements for t in record.tensors if t.dtype in _INFINITY_DTYPES)
+    can_inf = sum(t.elements for t in record.tensors if DTYPES[t.dtype].has_infinity)
     if counts.nonfinite > can_nan:
         return [
             Violation(

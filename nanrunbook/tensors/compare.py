@@ -98,38 +98,35 @@ def _table(dtype: str) -> Callable[[_Array], _Array]:
     return decode
 
 
-def _view(float_dtype: str) -> Callable[[_Array], _Array]:
-    def decode(codes: _Array) -> _Array:
-        return codes.view(float_dtype).astype(np.float64)
-
-    return decode
-
-
 def _bf16(codes: _Array) -> _Array:
     return (codes.astype("<u4") << 16).view("<f4").astype(np.float64)
 
 
-def _c64(codes: _Array) -> _Array:
-    return codes.view("<c8").astype(np.complex128)
+def _native(numpy_name: str, complex_values: bool) -> Callable[[_Array], _Array]:
+    as_type = np.dtype(numpy_name).newbyteorder("<")
+    target = np.complex128 if complex_values else np.float64
+
+    def decode(codes: _Array) -> _Array:
+        return codes.view(as_type).astype(target)
+
+    return decode
 
 
 def _layout(dtype: str) -> _Layout:
+    """Read from the dtype table: widths, whole-element groups, and how to decode."""
     info = DTYPES[dtype]
-    if info.kind in ("int", "bool"):
-        width = info.bits // 8
-        signed = dtype.startswith("I")
-        return _Layout(f"<u{width}", width, 1, None, signed)
-    special: dict[str, _Layout] = {
-        "F64": _Layout("<u8", 8, 1, _view("<f8")),
-        "F32": _Layout("<u4", 4, 1, _view("<f4")),
-        "F16": _Layout("<u2", 2, 1, _view("<f2")),
-        "BF16": _Layout("<u2", 2, 1, _bf16),
-        "C64": _Layout("<u8", 8, 1, _c64),
-        "F4": _Layout("u1", 1, 2, _table("F4")),
-        "F6_E2M3": _Layout("u1", 3, 4, _table("F6_E2M3")),
-        "F6_E3M2": _Layout("u1", 3, 4, _table("F6_E3M2")),
-    }
-    return special.get(dtype) or _Layout("u1", 1, 1, _table(dtype))
+    fmt = info.format
+    width = max(1, info.bits // 8)
+    if fmt is None:  # integers and BOOL
+        assert info.numpy is not None
+        return _Layout(f"<u{width}", width, 1, None, np.dtype(info.numpy).kind == "i")
+    if fmt.bits <= 8:  # F8, F6, F4: every code's value from the table
+        unit = info.whole_bytes
+        return _Layout("u1", unit, unit * 8 // info.bits, _table(dtype))
+    if fmt.bits == 16 and fmt.exponent_bits == 8:  # BF16: the top half of an F32
+        return _Layout("<u2", 2, 1, _bf16)
+    assert info.numpy is not None
+    return _Layout(f"<u{width}", width, 1, _native(info.numpy, info.kind == "complex"))
 
 
 def _codes(layout: _Layout, chunk: memoryview) -> _Array:

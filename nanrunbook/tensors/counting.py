@@ -1,22 +1,32 @@
-"""Exact element counting by bit pattern (spec section 6).
+"""Exact element counting and finite extremes by bit pattern (spec section 6).
 
 A :class:`Counter` classifies the raw little-endian bytes of one tensor, fed in
-chunks, into finite / NaN / +inf / -inf elements and tracks the largest finite
-magnitude. Classification never converts data to a float: it works on unsigned
-integer views of the bits.
+chunks, into finite / NaN / +inf / -inf elements, and keeps the exact extremes
+of its finite values (:class:`~nanrunbook.records.Extremes`): signed minimum and
+maximum, smallest non-zero magnitude, zeros and subnormals. It never converts
+data to a float: it works on unsigned integer views of the bits, and decodes the
+few codes it keeps to exact float64 values once, at the end. Every fact about a
+dtype's bits comes from :data:`nanrunbook.dtypes.DTYPES`.
 
 The fast path relies on one property of sign-magnitude floating formats: with
-the sign bit cleared, bit patterns order like the magnitudes they encode, and
-every non-finite pattern lies above every finite one. So the largest magnitude
-pattern of a chunk decides it: when it is below the first non-finite pattern,
-the whole chunk is finite and it *is* the largest finite magnitude's pattern.
-It comes from two read-only reductions over the bits, with no scratch written:
-the unsigned maximum (a negative element, if any, wins it, and its low bits are
-the largest negative magnitude) and the signed maximum (the largest positive
-magnitude, or below zero when every element is negative). Only chunks holding a
-non-finite element take the detailed path, which computes ``bits & ~sign`` into
-a reused buffer. The largest finite pattern is kept as an integer and decoded to
-an exact float64 once, in :meth:`Counter.result`.
+the sign bit cleared, bit patterns (*codes*) order like the magnitudes they
+encode, and every non-finite code lies above every finite one. Four read-only
+reductions over a chunk's bits, with no scratch written, give the lowest and
+highest code of each sign:
+
+* unsigned maximum: a negative element wins it if there is one, and its code is
+  the largest negative magnitude; unsigned minimum: the smallest positive code
+  (a positive element wins it if there is one);
+* signed maximum: the largest positive code (below zero when every element is
+  negative); signed minimum: a negative element wins it if there is one, with
+  the smallest negative magnitude (two's complement puts ``sign | 0`` lowest).
+
+The highest code decides whether the chunk is all finite (the fnuz NaN, the sign
+bit alone, is the lowest signed value instead). The lowest code decides whether
+it holds a zero or a subnormal: only then does the chunk pay for the magnitudes
+``bits & ~sign``, written into a reused buffer, to count them. Only chunks
+holding a non-finite element take the detailed path, which splits NaN from
+infinities and takes the extremes of the finite elements alone.
 
 Sub-byte formats (no NaN or infinity encodings, every element finite):
 
@@ -25,7 +35,7 @@ Sub-byte formats (no NaN or infinity encodings, every element finite):
   (pytorch/pytorch ``torch/headeronly/util/Float4_e2m1fn_x2.h``: "val1 : val0"
   in bits "7654 : 3210"), the dtype safetensors maps ``F4`` to
   (safetensors/safetensors ``bindings/python/py_src/safetensors/torch.py``).
-  The largest magnitude of a tensor does not depend on the nibble order anyway.
+  The extremes of a tensor do not depend on the nibble order anyway.
 * ``F6_E2M3`` / ``F6_E3M2``: safetensors only fixes the width (``bitsize`` 6 in
   ``safetensors/src/tensor.rs``, citing the OCP MX spec, which leaves the
   memory layout unprescribed). We read the data as a little-endian bit stream,
@@ -35,25 +45,29 @@ Sub-byte formats (no NaN or infinity encodings, every element finite):
   ``b0 | b1 << 8 | b2 << 16`` holding elements ``k = 0..3`` at ``word >> 6k``.
   (torchao's FP6-LLM packing is MSB-first instead; it is not a safetensors
   convention.)
+
+Their codes are moved into bytes with the sign as the top bit, and counted as
+8-bit sign-magnitude values.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from nanrunbook.dtypes import DTYPES
-from nanrunbook.records import Counts
+from nanrunbook.dtypes import DTYPES, DType, FloatFormat
+from nanrunbook.records import Counts, Extremes
 
-__all__ = ["Counter", "Tally", "tally_bytes"]
+__all__ = ["Counter", "Tally", "code_values", "extremes_bytes", "tally_bytes"]
 
 _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
+_NONE_LOW = 1 << 64  # above every code: "no lowest code yet"
+_SMALL_BLOCK_BYTES = 256 * 1024  # see Counter._count_small
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,126 +107,95 @@ def combine(tallies: Iterable[Tally]) -> Tally:
     )
 
 
-def _minifloat_magnitudes(exp_bits: int, man_bits: int, bias: int, count: int) -> tuple[float, ...]:
-    """Exact magnitudes of the first ``count`` sign-cleared codes of a binary format."""
-    assert exp_bits >= 1 and count <= 1 << (exp_bits + man_bits)
-    values = []
-    for code in range(count):
-        exponent, mantissa = code >> man_bits, code & ((1 << man_bits) - 1)
-        if exponent == 0:  # subnormal (or zero)
-            values.append(math.ldexp(mantissa, 1 - bias - man_bits))
-        else:
-            values.append(math.ldexp((1 << man_bits) + mantissa, exponent - bias - man_bits))
-    return tuple(values)
-
-
-def _view_decoder(uint: str, flt: str, shift: int = 0) -> Callable[[int], float]:
-    def decode(pattern: int) -> float:
-        return float(np.array([pattern << shift], dtype=uint).view(flt)[0])
-
-    return decode
-
-
-def _table_decoder(table: Sequence[float]) -> Callable[[int], float]:
-    def decode(pattern: int) -> float:
-        return table[pattern]
-
-    return decode
-
-
 @dataclass(frozen=True, slots=True)
-class _SignMagnitude:
-    """A format whose non-finite codes are exactly ``bits & absmask >= first_nonfinite``."""
+class _Bits:
+    """How a Counter reads one dtype: the integer view of a value and its layout."""
 
-    uint: str  # numpy dtype of one element's bits, little-endian
-    sign: int  # sign bit (the top bit of ``uint``), 0 when the format has none
-    first_nonfinite: int  # smallest sign-cleared non-finite pattern
-    has_inf: bool  # first_nonfinite is +infinity; above it is NaN
-    decode: Callable[[int], float]
-
-    @property
-    def absmask(self) -> int:
-        return (1 << (np.dtype(self.uint).itemsize * 8)) - 1 - self.sign
+    uint: str  # numpy dtype of one value's bits (a sub-byte code moved into a byte)
+    sign: int  # the sign bit of that integer, 0 when the format has none
+    fmt: FloatFormat
 
     @property
     def sint(self) -> str:
         """The signed integer dtype of the same width: its order puts negatives first."""
         return self.uint.replace("u", "i")
 
-
-@dataclass(frozen=True, slots=True)
-class _Fnuz:
-    """FNUZ 8-bit formats: the only non-finite code is 0x80 (NaN); no negative zero."""
-
-    decode: Callable[[int], float]
+    @property
+    def mask(self) -> int:
+        """Every bit of the integer but the sign: the code of a value."""
+        return (1 << (np.dtype(self.uint).itemsize * 8)) - 1 - self.sign
 
 
-@dataclass(frozen=True, slots=True)
-class _Complex64:
-    """C64: pairs (real, imag) of little-endian F32."""
+def _bits_of(dtype: DType) -> _Bits | None:
+    fmt = dtype.format
+    if fmt is None:
+        return None
+    if fmt.bits % 8:  # sub-byte: each code is moved into a byte, its sign on top
+        return _Bits("u1", 0x80, fmt)
+    return _Bits(f"<u{fmt.bits // 8}" if fmt.bits > 8 else "u1", fmt.sign, fmt)
 
 
-@dataclass(frozen=True, slots=True)
-class _Packed:
-    """F4 / F6: sub-byte sign-magnitude codes without NaN or infinity."""
+class _Span:
+    """Running extremes of the finite codes seen: the lowest and highest code of
+    each sign, zeros, subnormals and the lowest non-zero code. The lowest code of a
+    sign is exact while no value of the other sign has been seen: only then does
+    the signed minimum or maximum need it."""
 
-    bits: int  # 4 or 6
-    table: tuple[float, ...]  # magnitude of each sign-cleared code
+    __slots__ = (
+        "neg_hi",
+        "neg_lo",
+        "nonzero_lo",
+        "pos_hi",
+        "pos_lo",
+        "subnormals",
+        "values",
+        "zeros",
+    )
+
+    def __init__(self) -> None:
+        self.pos_lo = self.neg_lo = self.nonzero_lo = _NONE_LOW
+        self.pos_hi = self.neg_hi = -1
+        self.zeros = self.subnormals = self.values = 0
+
+    def extremes(self, fmt: FloatFormat) -> Extremes:
+        decode = fmt.decode
+        low = None
+        if self.neg_hi >= 0:
+            low = -decode(self.neg_hi)
+        elif self.pos_hi >= 0:
+            low = decode(self.pos_lo)
+        high = None
+        if self.pos_hi >= 0:
+            high = decode(self.pos_hi)
+        elif self.neg_hi >= 0:
+            high = -decode(self.neg_lo)
+        nonzero = None if self.nonzero_lo == _NONE_LOW else decode(self.nonzero_lo)
+        return Extremes(
+            values=self.values,
+            min=low,
+            max=high,
+            min_nonzero_abs=nonzero,
+            zeros=self.zeros,
+            subnormals=self.subnormals,
+        )
+
+    @property
+    def max_code(self) -> int:
+        return max(self.pos_hi, self.neg_hi)
 
 
-@dataclass(frozen=True, slots=True)
-class _Plain:
-    """Integers and BOOL: every element finite, no magnitude."""
+class _Found:
+    """One chunk's highest code of each sign (-1 for a sign no value has) and, when
+    read, its lowest (``_NONE_LOW`` for a sign no value has; None when not read)."""
 
-    width: int  # bytes per element
+    __slots__ = ("neg_hi", "neg_lo", "pos_hi", "pos_lo")
 
-
-_Format = _SignMagnitude | _Fnuz | _Complex64 | _Packed | _Plain
-
-_F32 = _SignMagnitude("<u4", 0x8000_0000, 0x7F80_0000, True, _view_decoder("<u4", "<f4"))
-_FORMATS: dict[str, _Format] = {
-    "F64": _SignMagnitude(
-        "<u8", 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, True, _view_decoder("<u8", "<f8")
-    ),
-    "F32": _F32,
-    "F16": _SignMagnitude("<u2", 0x8000, 0x7C00, True, _view_decoder("<u2", "<f2")),
-    # BF16 is the top half of an F32: shift into the top of a uint32.
-    "BF16": _SignMagnitude("<u2", 0x8000, 0x7F80, True, _view_decoder("<u4", "<f4", 16)),
-    "C64": _Complex64(),
-    "F8_E5M2": _SignMagnitude(
-        "u1", 0x80, 0x7C, True, _table_decoder(_minifloat_magnitudes(5, 2, 15, 0x7C))
-    ),
-    # e4m3fn: S.1111.111 is NaN, no infinity.
-    "F8_E4M3": _SignMagnitude(
-        "u1", 0x80, 0x7F, False, _table_decoder(_minifloat_magnitudes(4, 3, 7, 0x7F))
-    ),
-    # e8m0fnu: no sign, no zero, value 2**(b - 127); 0xFF is NaN.
-    "F8_E8M0": _SignMagnitude(
-        "u1", 0, 0xFF, False, _table_decoder(tuple(math.ldexp(1.0, b - 127) for b in range(255)))
-    ),
-    "F8_E4M3FNUZ": _Fnuz(_table_decoder(_minifloat_magnitudes(4, 3, 8, 0x80))),
-    "F8_E5M2FNUZ": _Fnuz(_table_decoder(_minifloat_magnitudes(5, 2, 16, 0x80))),
-    "F4": _Packed(4, _minifloat_magnitudes(2, 1, 1, 8)),
-    "F6_E2M3": _Packed(6, _minifloat_magnitudes(2, 3, 1, 32)),
-    "F6_E3M2": _Packed(6, _minifloat_magnitudes(3, 2, 3, 32)),
-}
-_FORMATS.update({d.name: _Plain(d.bits // 8) for d in DTYPES.values() if d.kind in ("int", "bool")})
-
-
-def _align(fmt: _Format) -> int:
-    if isinstance(fmt, _SignMagnitude):
-        return np.dtype(fmt.uint).itemsize
-    if isinstance(fmt, _Complex64):
-        return 8
-    if isinstance(fmt, _Packed):
-        return 1 if fmt.bits == 4 else 3
-    if isinstance(fmt, _Plain):
-        return fmt.width
-    return 1
+    def __init__(self, pos_hi: int, neg_hi: int, pos_lo: int | None, neg_lo: int | None) -> None:
+        self.pos_hi, self.neg_hi, self.pos_lo, self.neg_lo = pos_hi, neg_hi, pos_lo, neg_lo
 
 
 class Counter:
-    """Incremental exact classifier for one tensor's raw bytes (little-endian, as stored in safetensors).
+    """Incremental exact counter for one tensor's raw bytes (little-endian, as stored in safetensors).
 
     Every :meth:`feed` must be a whole number of ``align`` bytes (whole elements;
     for F6 whole groups of four). A chunk that is not raises ``ValueError``: the
@@ -220,30 +203,36 @@ class Counter:
     """
 
     __slots__ = (
+        "_bits",
         "_elements",
-        "_fmt",
-        "_max_code",
+        "_flag_scratch",
         "_nan",
         "_neginf",
         "_posinf",
         "_scratch",
+        "_small_seen",
+        "_span",
+        "_type",
         "align",
         "dtype",
     )
 
     def __init__(self, dtype: str) -> None:
-        fmt = _FORMATS.get(dtype)
-        if fmt is None or dtype not in DTYPES:
+        found = DTYPES.get(dtype)
+        if found is None:
             raise ValueError(f"unknown dtype {dtype!r}")
         self.dtype = dtype
-        self._fmt: _Format = fmt
-        self.align: int = _align(fmt)
+        self._type = found
+        self._bits = _bits_of(found)
+        self.align: int = found.whole_bytes
         self._elements = 0
         self._nan = 0
         self._posinf = 0
         self._neginf = 0
-        self._max_code = -1  # largest finite sign-cleared code seen, -1 for none
+        self._span = _Span()
+        self._small_seen = False  # the last chunk held zeros or subnormals
         self._scratch: _Array | None = None
+        self._flag_scratch: _Array | None = None
 
     def _buffer(self, n: int, dtype: str) -> _Array:
         """A reused scratch array of ``n`` elements of ``dtype``."""
@@ -253,6 +242,14 @@ class Counter:
             self._scratch = scratch
         return scratch[:n]
 
+    def _flags(self, n: int) -> _Array:
+        """A reused boolean scratch array of ``n`` elements."""
+        flags = self._flag_scratch
+        if flags is None or flags.size < n:
+            flags = np.empty(n, dtype=bool)
+            self._flag_scratch = flags
+        return flags[:n]
+
     def feed(self, chunk: _Chunk) -> None:
         size = memoryview(chunk).nbytes
         if size % self.align:
@@ -261,118 +258,200 @@ class Counter:
             )
         if size == 0:
             return
-        fmt = self._fmt
-        if isinstance(fmt, _SignMagnitude):
-            self._feed_sign_magnitude(fmt, chunk)
-        elif isinstance(fmt, _Fnuz):
-            self._feed_fnuz(chunk)
-        elif isinstance(fmt, _Complex64):
-            self._feed_c64(chunk)
-        elif isinstance(fmt, _Packed):
-            self._feed_packed(fmt, chunk)
+        bits = self._bits
+        if bits is None:  # integers and BOOL: every element finite, no extremes
+            self._elements += size * 8 // self._type.bits
+        elif self._type.kind == "complex":
+            self._feed_complex(np.frombuffer(chunk, dtype=bits.uint))
+        elif bits.fmt.bits % 8:
+            self._feed_packed(np.frombuffer(chunk, dtype="u1"), bits.fmt)
         else:
-            self._elements += size // fmt.width
+            self._feed_values(np.frombuffer(chunk, dtype=bits.uint))
 
-    def _feed_sign_magnitude(self, fmt: _SignMagnitude, chunk: _Chunk) -> None:
-        bits = np.frombuffer(chunk, dtype=fmt.uint)
-        n = bits.size
-        self._elements += n
-        if fmt.sign:
-            # Largest negative magnitude (or the largest positive one when no element
-            # is negative), then the largest positive magnitude (< 0 when none is).
-            top = max(int(bits.max()) & fmt.absmask, int(bits.view(fmt.sint).max()))
-        else:
-            top = int(bits.max())
+    # -- one chunk ----------------------------------------------------------------
+
+    def _feed_values(self, values: _Array) -> None:
+        self._elements += values.size
+        found = self._reduce(values)
+        if self._holds_nonfinite(found):
+            values = self._finite_only(values)
+            if not values.size:
+                return
+            found = self._reduce(values)
+        self._add_finite(values, found)
+
+    def _feed_complex(self, parts: _Array) -> None:
+        """C64: (real, imag) F32 pairs; an element is finite when both parts are."""
+        self._elements += parts.size // 2
+        found = self._reduce(parts)
+        if self._holds_nonfinite(found):
+            parts = self._finite_pairs(parts)
+            if not parts.size:
+                return
+            found = self._reduce(parts)
+        self._add_finite(parts, found)
+
+    def _feed_packed(self, data: _Array, fmt: FloatFormat) -> None:
+        if fmt.bits == 4:
+            fields = [data & 0x0F, data >> 4]
+        else:  # F6: four codes in each little-endian 24-bit word
+            groups = data.reshape(-1, 3).astype("<u4")
+            words = groups[:, 0] | (groups[:, 1] << 8) | (groups[:, 2] << 16)
+            fields = [((words >> (6 * k)) & 0x3F).astype("u1") for k in range(4)]
+        lift = 8 - fmt.bits  # moves the sign bit to the top of the byte
+        for codes in fields:
+            moved = (codes & fmt.code_mask) | ((codes & fmt.sign) << lift)
+            self._elements += moved.size
+            self._add_finite(moved, self._reduce(moved))
+
+    def _reduce(self, values: _Array) -> _Found:
+        """The highest code of each sign of one chunk, from the unsigned and signed
+        maxima; the lowest ones too (unsigned and signed minima) unless the previous
+        chunk held small values, whose count reads them more cheaply."""
+        bits = self._bits
+        assert bits is not None
+        sign = bits.sign
+        umax = int(values.max())
+        lows = not self._small_seen or bits.fmt.nan == "negative_zero"
+        if not sign:
+            return (
+                _Found(umax, -1, int(values.min()), _NONE_LOW)
+                if lows
+                else _Found(umax, -1, None, None)
+            )
+        signed = values.view(bits.sint)
+        smax = int(signed.max())
+        positive, negative = smax >= 0, umax >= sign
+        found = _Found(smax if positive else -1, umax & bits.mask if negative else -1, None, None)
+        if lows:
+            umin, smin = int(values.min()), int(signed.min())
+            found.pos_lo = umin if positive else _NONE_LOW
+            found.neg_lo = smin & bits.mask if negative else _NONE_LOW
+        return found
+
+    def _holds_nonfinite(self, found: _Found) -> bool:
+        assert self._bits is not None
+        fmt = self._bits.fmt
         first = fmt.first_nonfinite
-        if top < first:  # whole chunk finite
-            self._max_code = max(self._max_code, top)
-            return
-        if fmt.sign:
-            mags = self._buffer(n, fmt.uint)
-            np.bitwise_and(bits, fmt.absmask, out=mags)
-        else:
-            mags = bits
-        if fmt.has_inf:
-            nan = int(np.count_nonzero(mags > first))
-            posinf = int(np.count_nonzero(bits == first))
-            neginf = int(np.count_nonzero(bits == (first | fmt.sign)))
-        else:
-            nan = int(np.count_nonzero(mags >= first))
-            posinf = neginf = 0
-        self._nan += nan
-        self._posinf += posinf
-        self._neginf += neginf
-        if nan + posinf + neginf < n:
-            finite_top = int(np.max(mags, where=mags < first, initial=0))
-            self._max_code = max(self._max_code, finite_top)
+        if first is not None:
+            return max(found.pos_hi, found.neg_hi) >= first
+        # fnuz: the NaN is the sign bit alone, a "negative" value of code 0.
+        return fmt.nan == "negative_zero" and found.neg_lo == 0
 
-    def _feed_fnuz(self, chunk: _Chunk) -> None:
-        bits = np.frombuffer(chunk, dtype="u1")
-        n = bits.size
-        self._elements += n
-        mags = self._buffer(n, "u1")
-        np.bitwise_and(bits, 0x7F, out=mags)
-        nan = int(np.count_nonzero(bits == 0x80))
-        self._nan += nan
-        if nan < n:
-            # 0x80 has magnitude bits 0, never above a finite element's.
-            self._max_code = max(self._max_code, int(mags.max()))
+    def _finite_only(self, values: _Array) -> _Array:
+        """Count the NaN and infinite values of a chunk; return its finite values."""
+        bits = self._bits
+        assert bits is not None
+        fmt = bits.fmt
+        if fmt.nan == "negative_zero":
+            finite = values != bits.sign
+        else:
+            first = fmt.first_nonfinite
+            assert first is not None  # ieee and all_ones NaN lie above the finite codes
+            mags = self._buffer(values.size, bits.uint)
+            np.bitwise_and(values, bits.mask, out=mags)
+            finite = mags < first
+            if fmt.infinity:
+                inf = first
+                self._posinf += int(np.count_nonzero(values == inf))
+                self._neginf += int(np.count_nonzero(values == (inf | bits.sign)))
+                self._nan += int(np.count_nonzero(mags > inf))
+        kept: _Array = values[finite]
+        if fmt.nan == "negative_zero" or not fmt.infinity:
+            self._nan += values.size - kept.size
+        return kept
 
-    def _feed_c64(self, chunk: _Chunk) -> None:
-        bits = np.frombuffer(chunk, dtype="<u4")
-        self._elements += bits.size // 2
-        mags = self._buffer(bits.size, "<u4")
-        np.bitwise_and(bits, 0x7FFF_FFFF, out=mags)
-        top = int(mags.max())
+    def _finite_pairs(self, parts: _Array) -> _Array:
+        """C64: count the non-finite elements; return the parts of the finite ones."""
+        raw = parts.reshape(-1, 2)
+        mags = (raw & 0x7FFF_FFFF).reshape(-1, 2)
+        re, im = mags[:, 0], mags[:, 1]
         inf = 0x7F80_0000
-        if top < inf:
-            self._max_code = max(self._max_code, top)
-            return
-        parts = mags.reshape(-1, 2)
-        raw = bits.reshape(-1, 2)
-        re, im = parts[:, 0], parts[:, 1]
         el_nan = np.logical_or(re > inf, im > inf)
-        el_nonfinite = np.logical_or(re >= inf, im >= inf)
-        el_inf = el_nonfinite & ~el_nan
+        el_finite = np.logical_and(re < inf, im < inf)
+        el_inf = ~el_finite & ~el_nan
         # The sign of the first infinite part: the real one if infinite, else the imaginary.
         first_sign = np.where(re == inf, raw[:, 0], raw[:, 1]) >> 31
-        nan = int(np.count_nonzero(el_nan))
         infs = int(np.count_nonzero(el_inf))
         neginf = int(np.count_nonzero(el_inf & (first_sign == 1)))
-        self._nan += nan
+        self._nan += int(np.count_nonzero(el_nan))
         self._posinf += infs - neginf
         self._neginf += neginf
-        if nan + infs < parts.shape[0]:
-            finite = ~el_nonfinite
-            finite_top = int(np.max(parts, where=finite[:, None], initial=0))
-            self._max_code = max(self._max_code, finite_top)
+        return raw[el_finite].reshape(-1)
 
-    def _feed_packed(self, fmt: _Packed, chunk: _Chunk) -> None:
-        data = np.frombuffer(chunk, dtype="u1")
-        if fmt.bits == 4:
-            self._elements += 2 * data.size
-            low = int(np.bitwise_and(data, 0x07).max())
-            high = int(np.bitwise_and(data, 0x70).max()) >> 4
-            self._max_code = max(self._max_code, low, high)
-            return
-        groups = data.reshape(-1, 3).astype("<u4")
-        self._elements += 4 * groups.shape[0]
-        words = groups[:, 0] | (groups[:, 1] << 8) | (groups[:, 2] << 16)
-        for k in range(4):  # element k of each group: bits [6k, 6k+6); sign is the top bit
-            field = int(((words >> (6 * k)) & 0x1F).max())
-            self._max_code = max(self._max_code, field)
+    def _add_finite(self, values: _Array, found: _Found) -> None:
+        """Add a chunk of finite values whose highest (and maybe lowest) codes are ``found``."""
+        span = self._span
+        span.values += values.size
+        span.pos_hi = max(span.pos_hi, found.pos_hi)
+        span.neg_hi = max(span.neg_hi, found.neg_hi)
+        assert self._bits is not None
+        if found.pos_lo is not None and found.neg_lo is not None:
+            span.pos_lo = min(span.pos_lo, found.pos_lo)
+            span.neg_lo = min(span.neg_lo, found.neg_lo)
+            low = min(found.pos_lo, found.neg_lo)
+            if low >= self._bits.fmt.min_normal_code:  # no zero and no subnormal here
+                span.nonzero_lo = min(span.nonzero_lo, low)
+                return
+        low = self._count_small(values)
+        # Only while every value seen has one sign is its lowest code needed (for the
+        # signed minimum or maximum); a chunk with both signs settles that for good.
+        if found.neg_hi < 0:
+            span.pos_lo = min(span.pos_lo, low)
+        elif found.pos_hi < 0:
+            span.neg_lo = min(span.neg_lo, low)
+
+    def _count_small(self, values: _Array) -> int:
+        """Count the zeros and subnormals of a chunk, keep its lowest non-zero code,
+        and return its lowest code; remember whether it had small values at all.
+
+        Block by block, so the magnitudes and the comparisons stay in the core's
+        cache: measured about a third faster than whole 2 MiB chunks.
+        """
+        bits = self._bits
+        assert bits is not None
+        span = self._span
+        step = _SMALL_BLOCK_BYTES // values.itemsize
+        mags_block = self._buffer(min(step, values.size), bits.uint)
+        flags_block = self._flags(mags_block.size)
+        below, mask = bits.fmt.min_normal_code, bits.mask
+        small = zeros = 0
+        low = nonzero = _NONE_LOW
+        for start in range(0, values.size, step):
+            part = values[start : start + step]
+            mags, flags = mags_block[: part.size], flags_block[: part.size]
+            np.bitwise_and(part, mask, out=mags)
+            block_low = int(mags.min())
+            low = min(low, block_low)
+            if block_low >= below:
+                nonzero = min(nonzero, block_low)
+                continue
+            np.less(mags, below, out=flags)
+            small += int(np.count_nonzero(flags))
+            if block_low:
+                nonzero = min(nonzero, block_low)
+                continue
+            np.equal(mags, 0, out=flags)
+            block_zeros = int(np.count_nonzero(flags))
+            zeros += block_zeros
+            if block_zeros < part.size:
+                # Zero wraps to the top: the minimum is the lowest non-zero code, less one.
+                np.subtract(mags, 1, out=mags)
+                nonzero = min(nonzero, int(mags.min()) + 1)
+        span.zeros += zeros
+        span.subnormals += small - zeros
+        span.nonzero_lo = min(span.nonzero_lo, nonzero)
+        self._small_seen = small > 0
+        return low
+
+    # -- results --------------------------------------------------------------------
 
     def result(self) -> Tally:
         nonfinite = self._nan + self._posinf + self._neginf
-        fmt = self._fmt
-        max_abs: float | None = None
-        if self._max_code >= 0:
-            if isinstance(fmt, _SignMagnitude | _Fnuz):
-                max_abs = fmt.decode(self._max_code)
-            elif isinstance(fmt, _Complex64):
-                max_abs = _F32.decode(self._max_code)
-            elif isinstance(fmt, _Packed):
-                max_abs = fmt.table[self._max_code]
+        top = self._span.max_code
+        max_abs = None
+        if self._bits is not None and top >= 0:
+            max_abs = self._bits.fmt.decode(top)
         return Tally(
             elements=self._elements,
             finite=self._elements - nonfinite,
@@ -382,6 +461,10 @@ class Counter:
             max_abs=max_abs,
         )
 
+    def extremes(self) -> Extremes | None:
+        """The finite extremes so far; None for an integer or BOOL dtype."""
+        return None if self._bits is None else self._span.extremes(self._bits.fmt)
+
 
 def tally_bytes(dtype: str, data: _Chunk) -> Tally:
     """Count a whole tensor held in memory (convenience for small data and tests)."""
@@ -390,36 +473,23 @@ def tally_bytes(dtype: str, data: _Chunk) -> Tally:
     return counter.result()
 
 
+def extremes_bytes(dtype: str, data: _Chunk) -> Extremes | None:
+    """The finite extremes of a whole tensor held in memory."""
+    counter = Counter(dtype)
+    counter.feed(data)
+    return counter.extremes()
+
+
 def code_values(dtype: str) -> tuple[float, ...]:
     """The value of every bit pattern of a floating format of at most 8 bits, by code.
 
     For the F8 formats, F6_E2M3, F6_E3M2 and F4 (for F6 and F4, the code of one
     element, sign in its top bit): NaN and the infinities where the format has
-    them. Built from the same format facts the counter uses, so comparison and
-    counting never disagree about what a code means. ValueError for any other dtype.
+    them. Read from the dtype table, as the counter is, so comparison and counting
+    never disagree about what a code means. ValueError for any other dtype.
     """
-    fmt = _FORMATS.get(dtype)
-    if isinstance(fmt, _SignMagnitude) and fmt.uint == "u1":
-        sign, first = fmt.sign, fmt.first_nonfinite
-        width = 256
-    elif isinstance(fmt, _Fnuz):
-        sign, first, width = 0x80, 0x80, 256
-    elif isinstance(fmt, _Packed):
-        sign, first, width = 1 << (fmt.bits - 1), 1 << fmt.bits, 1 << fmt.bits
-    else:
+    found = DTYPES.get(dtype)
+    fmt = None if found is None or found.kind != "float" else found.format
+    if fmt is None or fmt.bits > 8:
         raise ValueError(f"{dtype} is not a floating format of at most 8 bits")
-    values = []
-    for code in range(width):
-        magnitude_code = code & ~sign
-        negative = bool(code & sign)
-        if isinstance(fmt, _Fnuz) and code == 0x80:
-            value = math.nan
-        elif magnitude_code >= first:
-            is_inf = isinstance(fmt, _SignMagnitude) and fmt.has_inf and magnitude_code == first
-            value = math.inf if is_inf else math.nan
-        elif isinstance(fmt, _Packed):
-            value = fmt.table[magnitude_code]
-        else:
-            value = fmt.decode(magnitude_code)
-        values.append(-value if negative and not math.isnan(value) else value)
-    return tuple(values)
+    return tuple(fmt.value(bits) for bits in range(1 << fmt.bits))

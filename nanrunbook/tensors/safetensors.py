@@ -56,9 +56,9 @@ CODES: dict[str, str] = {
         "a sub-byte dtype tensor's element count times bit width is not a multiple of 8"
     ),
     "HEADER_OFFSETS_INVALID": (
-        "tensor byte ranges do not tile the data area exactly (gap, overlap, trailing bytes,"
-        " or past the end of the file)"
+        "tensor byte ranges do not tile the data area exactly (gap, overlap or trailing bytes)"
     ),
+    "FILE_TRUNCATED": "a tensor file is shorter than its header's byte ranges need (cut short)",
 }
 
 
@@ -153,11 +153,10 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
 
     Raises EvidenceRejected listing every header violation found in the file.
     """
-    where = file_where(relpath)
-    shown = quote(relpath)
+    where = file_where(relpath)  # names the file: messages do not repeat it
 
     def fail(code: str, message: str) -> EvidenceRejected:
-        return EvidenceRejected([Violation(code, where, f"{shown}: {message}")])
+        return EvidenceRejected([Violation(code, where, message)])
 
     try:
         size = os.fstat(fd).st_size
@@ -219,7 +218,7 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
         raise fail("HEADER_INVALID_JSON", "header is not a JSON object")
 
     data_start = 8 + header_len
-    violations, entries = _check_entries(parsed, size - data_start, data_start, where, shown)
+    violations, entries = _check_entries(parsed, size - data_start, data_start, where)
     if violations:
         raise EvidenceRejected(violations)
     return TensorFileHeader(
@@ -228,12 +227,12 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
 
 
 def _check_entries(
-    root: _Object, data_size: int, data_start: int, where: str, shown: str
+    root: _Object, data_size: int, data_start: int, where: str
 ) -> tuple[list[Violation], dict[str, HeaderEntry]]:
     violations: list[Violation] = []
 
     def add(code: str, message: str) -> None:
-        violations.append(Violation(code, where, f"{shown}: {message}"))
+        violations.append(Violation(code, where, message))
 
     entries: dict[str, HeaderEntry] = {}
     ranges: list[_Range] = []
@@ -330,7 +329,7 @@ def _check_entries(
                 name, dtype, tuple(shape), data_start + begin, data_start + end
             )
 
-    _check_tiling(ranges, data_size, all_ranges_known, add)
+    _check_tiling(ranges, data_size, data_start, all_ranges_known, add)
     return violations, entries
 
 
@@ -366,44 +365,66 @@ def _check_metadata(value: Any, add: _Add) -> None:
             add("HEADER_FIELD_INVALID", f"__metadata__ value of {quote(key)} is not a string")
 
 
-def _check_tiling(ranges: list[_Range], data_size: int, complete: bool, add: _Add) -> None:
+def _check_tiling(
+    ranges: list[_Range], data_size: int, data_start: int, complete: bool, add: _Add
+) -> None:
     """The byte ranges, sorted by (begin, end), must tile [0, data_size) exactly.
 
     Each range must begin where the previous one ended; a zero-length range is fine on
     any boundary of the tiling (so also at 0 and at the end) but one strictly inside
     another range counts as an overlap, as in the reference reader. When some entry's
     range is unknown (invalid data_offsets), gaps and trailing bytes are not reported:
-    the missing range might fill them; overlaps and ranges past the end still are.
+    the missing range might fill them; overlaps still are.
+
+    Ranges past the end of the file are one violation, however many there are: a
+    FILE_TRUNCATED when the ranges would tile a longer file exactly (the file was cut
+    short), else a HEADER_OFFSETS_INVALID (the header is wrong anyway).
     """
-    for r in ranges:
-        if r.end > data_size:
+    past = [r for r in ranges if r.end > data_size]
+    if past:
+        needed = max(r.end for r in past)
+        if complete and not _tiling_problems(ranges, needed, complete):
+            add(
+                "FILE_TRUNCATED",
+                f"the file has {data_start + data_size} bytes but its header's byte ranges"
+                f" need {data_start + needed}: cut short (still being written, or copied in"
+                " part)",
+            )
+        else:
+            first = past[0]
+            more = f" (and {len(past) - 1} more)" if len(past) > 1 else ""
             add(
                 "HEADER_OFFSETS_INVALID",
-                f"tensor {quote(r.name)}: byte range [{r.begin}, {r.end}) runs past the end"
-                f" of the {data_size}-byte data area (data missing from the file)",
+                f"tensor {quote(first.name)}: byte range [{first.begin}, {first.end}) runs past"
+                f" the end of the {data_size}-byte data area{more}",
             )
+    for problem in _tiling_problems(ranges, data_size, complete):
+        add("HEADER_OFFSETS_INVALID", problem)
+
+
+def _tiling_problems(ranges: list[_Range], data_size: int, complete: bool) -> list[str]:
+    """Gaps, overlaps and trailing bytes of the ranges within [0, data_size)."""
+    problems: list[str] = []
     cursor = 0
     holder: _Range | None = None  # the range that reached ``cursor``
     for r in sorted(ranges, key=lambda r: (r.begin, r.end)):
         if r.begin > cursor:
             gap_end = min(r.begin, data_size)
             if complete and gap_end > cursor:
-                add(
-                    "HEADER_OFFSETS_INVALID",
+                problems.append(
                     f"gap of {gap_end - cursor} unbound bytes at data offset {cursor},"
-                    f" before tensor {quote(r.name)}",
+                    f" before tensor {quote(r.name)}"
                 )
         elif r.begin < cursor and holder is not None:
-            add(
-                "HEADER_OFFSETS_INVALID",
+            problems.append(
                 f"tensor {quote(r.name)}: byte range [{r.begin}, {r.end}) overlaps tensor"
-                f" {quote(holder.name)} [{holder.begin}, {holder.end})",
+                f" {quote(holder.name)} [{holder.begin}, {holder.end})"
             )
         if r.end >= cursor:
             cursor, holder = r.end, r
     if complete and cursor < data_size:
-        add(
-            "HEADER_OFFSETS_INVALID",
+        problems.append(
             f"{data_size - cursor} trailing bytes at data offset {cursor} are not bound by"
-            " any tensor",
+            " any tensor"
         )
+    return problems

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from nanrunbook.dtypes import WHOLE_ELEMENTS_BYTES
+from nanrunbook.records import Extremes
 from nanrunbook.tensors.counting import Counter, Tally
 
 __all__ = [
@@ -41,17 +43,18 @@ __all__ = [
     "scan_range",
 ]
 
-# 2 MiB rounded down to a multiple of 24, so every dtype's Counter.align (1, 2,
-# 3, 4 or 8 bytes) divides it and no element straddles two chunks. Measured by
-# bench/bench_scan.py: chunks that stay in a core's L2 cache between the read,
-# the count and the hash beat larger ones; much smaller ones pay per-call costs.
-CHUNK_SIZE = (2 * 1024 * 1024 // 24) * 24
+# 2 MiB rounded down to whole elements of every dtype, so no element straddles two
+# chunks. Measured by bench/bench_scan.py: chunks that stay in a core's L2 cache
+# between the read, the count and the hash beat larger ones; much smaller ones pay
+# per-call costs.
+CHUNK_SIZE = 2 * 1024 * 1024 // WHOLE_ELEMENTS_BYTES * WHOLE_ELEMENTS_BYTES
 
 
 @dataclass(frozen=True, slots=True)
 class TensorScan:
     sha256: str  # lowercase hex of the exact bytes
     tally: Tally
+    extremes: Extremes | None = None  # of a floating tensor's finite values
 
 
 class ShortRead(Exception):
@@ -118,7 +121,7 @@ def scan_range(
     digest = hashlib.sha256()
     if spare is not None and len(spare) >= chunk and length > chunk:
         _overlapped(fd, offset, length, chunk, (buffer, spare), digest, counter, on_chunk)
-        return TensorScan(sha256=digest.hexdigest(), tally=counter.result())
+        return _scanned(digest, counter)
     done = 0
     view = memoryview(buffer)
     try:
@@ -135,7 +138,11 @@ def scan_range(
                 on_chunk(want)
     finally:
         view.release()
-    return TensorScan(sha256=digest.hexdigest(), tally=counter.result())
+    return _scanned(digest, counter)
+
+
+def _scanned(digest: Any, counter: Counter) -> TensorScan:
+    return TensorScan(digest.hexdigest(), counter.result(), counter.extremes())
 
 
 def _fill(fd: int, view: memoryview, position: int) -> int:
@@ -278,8 +285,9 @@ def scan_all(
     measure the alternatives; ``workers=1`` never overlaps).
 
     Memory: each worker owns one buffer of ``chunk_size`` bytes (less when every
-    job is shorter), a second one while it overlaps, and one scratch chunk for
-    chunks that hold non-finite elements: bounded by the workers and the chunk
+    job is shorter), a second one while it overlaps, and per tensor one scratch
+    chunk for chunks that hold non-finite elements (plus, while such a chunk is
+    counted, a copy of its finite values): bounded by the workers and the chunk
     size, whatever the size of the tensors.
 
     An exception in the caller's thread while it waits (``KeyboardInterrupt``
@@ -287,109 +295,144 @@ def scan_all(
     chunk, waits briefly for them to let go of the files, and is raised again.
     The workers are daemon threads: they never keep the process alive.
     """
-    results: list[TensorScan | Exception | None] = [None] * len(jobs)
     longest = max((job.length for job in jobs), default=0)
-    size = max(1, min(chunk_size, longest))
     cores = workers if workers is not None else default_workers()
-    count = min(cores, len(jobs))
+    plan = _Plan(max(1, min(chunk_size, longest)), cores, overlap, scan)
+    if min(cores, len(jobs)) <= 1:
+        return _scan_in_turn(jobs, _Scanner(plan), progress)
+    return _Pool(jobs, plan, progress).run(min(cores, len(jobs)))
 
-    def overlapped(job: ScanJob, tail: bool) -> bool:
-        if cores < 2 or job.length <= size or overlap == "never":
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What every worker of one :func:`scan_all` shares."""
+
+    size: int  # bytes of a read buffer
+    cores: int
+    overlap: Overlap
+    scan: ScanFunction
+
+    def overlapped(self, job: ScanJob, tail: bool) -> bool:
+        """Whether a helper thread should read ahead for ``job`` (``tail``: nothing
+        is left to start, so a core would otherwise idle)."""
+        if self.cores < 2 or job.length <= self.size or self.overlap == "never":
             return False
-        return overlap == "always" or tail
+        return self.overlap == "always" or tail
 
-    def scanner() -> Callable[[ScanJob, bool, Callable[[int], None] | None], TensorScan]:
-        """One worker's scan: its read buffer, and an overlap buffer once needed."""
-        buffer = bytearray(size)
-        spare: bytearray | None = None
 
-        def run(job: ScanJob, tail: bool, on_chunk: Callable[[int], None] | None) -> TensorScan:
-            nonlocal spare
-            use = overlapped(job, tail)
-            if use and spare is None:
-                spare = bytearray(size)
-            return scan(
-                job.fd,
-                job.offset,
-                job.length,
-                job.dtype,
-                buffer=buffer,
-                on_chunk=on_chunk,
-                spare=spare if use else None,
-            )
+class _Scanner:
+    """One worker's scan: its read buffer, and an overlap buffer once needed."""
 
-        return run
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.buffer = bytearray(plan.size)
+        self.spare: bytearray | None = None
 
-    if count <= 1:
-        run = scanner()
-        for index, job in enumerate(jobs):
-            try:
-                results[index] = run(job, index == len(jobs) - 1, progress)
-            except Exception as error:
-                results[index] = error
-        return _finished(results)
+    def run(self, job: ScanJob, tail: bool, on_chunk: Callable[[int], None] | None) -> TensorScan:
+        use = self.plan.overlapped(job, tail)
+        if use and self.spare is None:
+            self.spare = bytearray(self.plan.size)
+        return self.plan.scan(
+            job.fd,
+            job.offset,
+            job.length,
+            job.dtype,
+            buffer=self.buffer,
+            on_chunk=on_chunk,
+            spare=self.spare if use else None,
+        )
 
-    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for index in sorted(range(len(jobs)), key=lambda i: jobs[i].length, reverse=True):
-        pending.put(index)
-    events: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # bytes done; None: a worker ended
-    cancel = threading.Event()
-    crashed: list[BaseException] = []  # a worker's error outside any scan
 
-    def on_chunk(nbytes: int) -> None:
-        if cancel.is_set():
-            raise _Cancelled
-        if progress is not None:
-            events.put(nbytes)
-
-    def work() -> None:
+def _scan_in_turn(
+    jobs: Sequence[ScanJob], scanner: _Scanner, progress: Callable[[int], None] | None
+) -> list[TensorScan | Exception]:
+    """Every job on this thread, in order (the last one overlapped when allowed)."""
+    results: list[TensorScan | Exception] = []
+    for index, job in enumerate(jobs):
         try:
-            run = scanner()
-            while not cancel.is_set():
-                try:
-                    index = pending.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    # tail: nothing is left to start, so overlap this one.
-                    results[index] = run(jobs[index], pending.empty(), on_chunk)
-                except _Cancelled:
-                    return
-                except Exception as error:
-                    results[index] = error
-        except BaseException as error:  # MemoryError allocating the buffer, say
-            crashed.append(error)
-        finally:
-            events.put(None)
+            results.append(scanner.run(job, index == len(jobs) - 1, progress))
+        except Exception as error:
+            results.append(error)
+    return results
 
-    threads = [
-        threading.Thread(target=work, name=f"nanrunbook-scan-{k}", daemon=True)
-        for k in range(count)
-    ]
-    try:
+
+class _Pool:
+    """Worker threads taking jobs longest first; the caller's thread relays progress."""
+
+    def __init__(
+        self, jobs: Sequence[ScanJob], plan: _Plan, progress: Callable[[int], None] | None
+    ) -> None:
+        self.jobs = jobs
+        self.plan = plan
+        self.progress = progress
+        self.results: list[TensorScan | Exception | None] = [None] * len(jobs)
+        self.pending: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in sorted(range(len(jobs)), key=lambda i: jobs[i].length, reverse=True):
+            self.pending.put(index)
+        # Bytes done, from the workers to the caller's thread; None: a worker ended.
+        self.events: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.cancel = threading.Event()
+        self.crashed: list[BaseException] = []  # a worker's error outside any scan
+
+    def run(self, count: int) -> list[TensorScan | Exception]:
+        threads = [
+            threading.Thread(target=self._work, name=f"nanrunbook-scan-{k}", daemon=True)
+            for k in range(count)
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            self._relay(count)
+        except BaseException:
+            self.cancel.set()
+            for thread in threads:
+                if thread.is_alive():
+                    thread.join(timeout=1.0)
+            raise
         for thread in threads:
-            thread.start()
-        running = count
+            thread.join()
+        if self.crashed:
+            raise self.crashed[0]
+        return _finished(self.results)
+
+    def _relay(self, running: int) -> None:
+        """Pass progress on until every worker has ended, checking for signals often."""
         while running:
             try:
-                event = events.get(timeout=_WAIT_SECONDS)
+                event = self.events.get(timeout=_WAIT_SECONDS)
             except queue.Empty:
                 continue
             if event is None:
                 running -= 1
-            elif progress is not None:
-                progress(event)
-    except BaseException:
-        cancel.set()
-        for thread in threads:
-            if thread.is_alive():
-                thread.join(timeout=1.0)
-        raise
-    for thread in threads:
-        thread.join()
-    if crashed:
-        raise crashed[0]
-    return _finished(results)
+            elif self.progress is not None:
+                self.progress(event)
+
+    def _on_chunk(self, nbytes: int) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled
+        if self.progress is not None:
+            self.events.put(nbytes)
+
+    def _work(self) -> None:
+        try:
+            scanner = _Scanner(self.plan)
+            while not self.cancel.is_set():
+                try:
+                    index = self.pending.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    # tail: nothing is left to start, so overlap this one.
+                    tail = self.pending.empty()
+                    self.results[index] = scanner.run(self.jobs[index], tail, self._on_chunk)
+                except _Cancelled:
+                    return
+                except Exception as error:
+                    self.results[index] = error
+        except BaseException as error:  # MemoryError allocating the buffer, say
+            self.crashed.append(error)
+        finally:
+            self.events.put(None)
 
 
 def _finished(results: list[TensorScan | Exception | None]) -> list[TensorScan | Exception]:

@@ -1,7 +1,7 @@
 """The bundle on disk: manifest bytes, tensor files bound to entries, recounts.
 
 Read-only by construction: files are opened O_RDONLY, never mapped, and read in
-bounded chunks; no path leaves the bundle directory (see ``tensorfile``).
+bounded chunks; no path leaves the bundle directory (see :mod:`nanrunbook.access`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from nanrunbook.tensors.counting import combine
 from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 
-__all__ = ["CODES", "Progress", "verify_bundle"]
+__all__ = ["CODES", "Progress", "header_limit", "verify_bundle"]
 
 # A header holds at most the entries the manifest binds to its file; this much per
 # entry is far more than any writer needs, and the base leaves room for __metadata__.
@@ -33,6 +33,13 @@ __all__ = ["CODES", "Progress", "verify_bundle"]
 # header within the memory of a normal check.
 HEADER_BASE_BYTES = 4 * 1024 * 1024
 HEADER_BYTES_PER_ENTRY = 4096
+
+
+def header_limit(bound_entries: int) -> int:
+    """The longest header read from a file the manifest binds ``bound_entries``
+    tensor entries to (spec section 1): every command that reads headers uses it."""
+    return min(HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * bound_entries, MAX_HEADER_LEN)
+
 
 CODES = {
     "TENSOR_NOT_IN_FILE": "a manifest entry names a tensor its file does not hold",
@@ -80,6 +87,21 @@ def verify_bundle(
     with the total number of bytes to read.
     """
     violations: list[Violation] = []
+    opened = _open_files(bundle, _bound_by_file(manifest), violations)
+    scans: dict[str, TensorScan] = {}
+    try:
+        plans = [_plan_file(fd, relpath, bound) for fd, relpath, bound in opened]
+        violations.extend(_scan_plans(plans, scans, progress, workers))
+    finally:
+        for fd, _, _ in opened:
+            os.close(fd)
+    findings = tuple(_stage_finding(stage, scans) for stage in manifest.stages)
+    violations.extend(_recount_violations(manifest, findings))
+    return findings, violations
+
+
+def _bound_by_file(manifest: Manifest) -> dict[str, list[_Bound]]:
+    """Every complete-stage entry, by the file path its entry names."""
     by_file: dict[str, list[_Bound]] = {}
     for s_index, stage in enumerate(manifest.stages):
         if stage.status != "OBSERVED" or stage.resolution != "complete":
@@ -89,10 +111,18 @@ def verify_bundle(
             by_file.setdefault(entry.file, []).append(
                 _Bound(entry, f"$.stages[{s_index}].tensors[{t_index}]")
             )
+    return by_file
 
-    scans: dict[str, TensorScan] = {}
-    # Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
-    # one file: its tensors must be bound once across all of them.
+
+def _open_files(
+    bundle: Path, by_file: dict[str, list[_Bound]], violations: list[Violation]
+) -> list[tuple[int, str, list[_Bound]]]:
+    """Open each file once: (fd, the first path naming it, every entry bound to it).
+
+    Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
+    one file: its tensors must be bound once across all of them. A file that cannot
+    be opened adds its violations. The caller closes the fds.
+    """
     opened: dict[tuple[int, int], tuple[int, str, list[_Bound]]] = {}
     try:
         for relpath, bound in by_file.items():
@@ -108,36 +138,51 @@ def verify_bundle(
                 opened[identity][2].extend(bound)
             else:
                 opened[identity] = (fd, relpath, list(bound))
-        plans = [_plan_file(fd, relpath, bound) for fd, relpath, bound in opened.values()]
-        jobs = [job for plan in plans for job in plan.jobs]
-        start = getattr(progress, "start", None)
-        if callable(start):
-            start(sum(job.length for job in jobs))
-        # scan_range is looked up here, at call time, so a test may replace it.
-        results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
-        done = 0
-        for plan in plans:
-            mine = results[done : done + len(plan.jobs)]
-            done += len(plan.jobs)
-            violations.extend(_verify_file(plan, mine, scans))
-    finally:
+    except BaseException:
         for fd, _, _ in opened.values():
             os.close(fd)
+        raise
+    return list(opened.values())
 
-    findings = tuple(_stage_finding(stage, scans) for stage in manifest.stages)
+
+def _scan_plans(
+    plans: list[_FilePlan],
+    scans: dict[str, TensorScan],
+    progress: Progress | None,
+    workers: int | None,
+) -> list[Violation]:
+    """Scan every planned tensor at once; each file's violations, in manifest order."""
+    jobs = [job for plan in plans for job in plan.jobs]
+    start = getattr(progress, "start", None)
+    if callable(start):
+        start(sum(job.length for job in jobs))
+    # scan_range is looked up here, at call time, so a test may replace it.
+    results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
+    found: list[Violation] = []
+    done = 0
+    for plan in plans:
+        mine = results[done : done + len(plan.jobs)]
+        done += len(plan.jobs)
+        found.extend(_verify_file(plan, mine, scans))
+    return found
+
+
+def _recount_violations(manifest: Manifest, findings: tuple[StageFinding, ...]) -> list[Violation]:
+    """Declared counts and finite_max_abs of complete stages against the recount."""
+    found: list[Violation] = []
     for s_index, (stage, finding) in enumerate(zip(manifest.stages, findings, strict=True)):
         if stage.resolution != "complete" or any(t.counts is None for t in finding.tensors):
             continue
-        violations.extend(_compare_recount(stage.counts, finding, f"$.stages[{s_index}]"))
+        found.extend(_compare_recount(stage.counts, finding, f"$.stages[{s_index}]"))
         if stage.finite_max_abs_declared and stage.finite_max_abs != finding.finite_max_abs:
-            violations.append(
+            found.append(
                 Violation(
                     "FINITE_MAX_ABS_RECOUNT_MISMATCH",
                     f"$.stages[{s_index}].finite_max_abs",
                     f"declared {stage.finite_max_abs!r}, recounted {finding.finite_max_abs!r}",
                 )
             )
-    return findings, violations
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +198,8 @@ class _FilePlan:
 
 
 def _plan_file(fd: int, relpath: str, bound: Sequence[_Bound]) -> _FilePlan:
-    limit = HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * len(bound)
     try:
-        header = read_header(fd, relpath, max_header_len=min(limit, MAX_HEADER_LEN))
+        header = read_header(fd, relpath, max_header_len=header_limit(len(bound)))
     except EvidenceRejected as err:
         return _FilePlan(fd, relpath, bound, None, list(err.violations), [])
     refused = _binding_violations(header, relpath, bound)
@@ -263,7 +307,7 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         if scan is None:  # not read: a file-level violation is already reported
             findings.append(TensorFinding(entry, None, None))
             continue
-        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs))
+        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes))
     if any(entry.name not in scans for entry in stage.tensors):
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tuple(findings))
     total = combine(scans[entry.name].tally for entry in stage.tensors)

@@ -13,7 +13,19 @@ from nanrunbook._version import __version__
 from nanrunbook.contract import CONTRACT_VERSION, HOLD
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.exits import Exit
-from nanrunbook.records import Counts, Decision, Manifest, Scaler, StageFinding, TensorFinding
+from nanrunbook.records import (
+    Counts,
+    Decision,
+    EarlyWarning,
+    Extremes,
+    Headroom,
+    Manifest,
+    Scaler,
+    StageFinding,
+    TensorFinding,
+    TensorHeadroom,
+)
+from nanrunbook.verdict.precision import headroom
 from nanrunbook.verdict.runbook import Section
 
 __all__ = ["REPORT_FORMAT", "Report", "rejection_document", "report_document"]
@@ -31,6 +43,9 @@ class Report:
     stages: tuple[StageFinding, ...]
     decision: Decision
     checklist: tuple[Section, ...]
+    # Early warnings about the tensors' values (nanrunbook.verdict.precision); they
+    # never change the decision or the exit code.
+    warnings: tuple[EarlyWarning, ...] = ()
     contract_version: str = CONTRACT_VERSION
     report_format: str = REPORT_FORMAT
 
@@ -53,7 +68,44 @@ def _counts(counts: Counts | None) -> dict[str, int] | None:
     return None if counts is None else counts.as_dict()
 
 
-def _tensor(report: Report, stage: StageFinding, tensor: TensorFinding) -> dict[str, Any]:
+def _extremes(extremes: Extremes | None) -> dict[str, Any] | None:
+    if extremes is None:
+        return None
+    return {
+        "values": extremes.values,
+        "min": extremes.min,
+        "max": extremes.max,
+        "max_abs": extremes.max_abs,
+        "min_nonzero_abs": extremes.min_nonzero_abs,
+        "zeros": extremes.zeros,
+        "subnormals": extremes.subnormals,
+    }
+
+
+def _room(room: Headroom | None) -> dict[str, Any] | None:
+    if room is None:
+        return None
+    return {
+        "dtype": room.dtype,
+        "max_finite": room.max_finite,
+        "bits": room.bits,
+        "exp_limit": room.exp_limit,
+        "square_limit": room.square_limit,
+        "reciprocal_limit": room.reciprocal_limit,
+        "exp_overflows": room.exp_overflows,
+        "square_overflows": room.square_overflows,
+        "reciprocal_overflows": room.reciprocal_overflows,
+        "sum_can_overflow": room.sum_can_overflow,
+    }
+
+
+def _headroom(room: TensorHeadroom | None) -> dict[str, Any] | None:
+    return None if room is None else {"own": _room(room.own), "compute": _room(room.compute)}
+
+
+def _tensor(
+    report: Report, stage: StageFinding, tensor: TensorFinding, room: TensorHeadroom | None
+) -> dict[str, Any]:
     entry = tensor.entry
     return {
         "name": entry.name,
@@ -64,10 +116,14 @@ def _tensor(report: Report, stage: StageFinding, tensor: TensorFinding) -> dict[
         "probe": entry.probe,
         "counts": _counts(tensor.counts),
         "finite_max_abs": report.reported_magnitude(stage, tensor.finite_max_abs),
+        "extremes": _extremes(tensor.extremes),
+        "headroom": _headroom(room),
     }
 
 
-def _stage(report: Report, stage: StageFinding) -> dict[str, Any]:
+def _stage(
+    report: Report, stage: StageFinding, rooms: dict[tuple[str, int], TensorHeadroom]
+) -> dict[str, Any]:
     record = stage.record
     return {
         "stage": record.stage,
@@ -85,7 +141,10 @@ def _stage(report: Report, stage: StageFinding) -> dict[str, Any]:
         "first_nonfinite_tensor": (
             stage.first_nonfinite_tensor if stage.counts_source == "recounted" else None
         ),
-        "tensors": [_tensor(report, stage, t) for t in stage.tensors],
+        "tensors": [
+            _tensor(report, stage, t, rooms.get((stage.stage, index)))
+            for index, t in enumerate(stage.tensors)
+        ],
     }
 
 
@@ -105,6 +164,7 @@ def scaler_document(scaler: Scaler) -> dict[str, Any]:
 def report_document(report: Report) -> dict[str, Any]:
     manifest = report.manifest
     decision = report.decision
+    rooms = {(room.stage, room.index): room for room in headroom(report)}
     return {
         "report_format": report.report_format,
         "tool": {"name": "nanrunbook", "version": __version__},
@@ -121,7 +181,7 @@ def report_document(report: Report) -> dict[str, Any]:
         "action": decision.action,
         "root_cause_claim": decision.root_cause_claim,
         "exit_code": report.exit_code,
-        "stages": [_stage(report, s) for s in report.stages],
+        "stages": [_stage(report, s, rooms) for s in report.stages],
         "scaler": scaler_document(report.scaler),
         "last_known_good": {
             "checkpoint_id": manifest.last_known_good.checkpoint_id,
@@ -130,6 +190,16 @@ def report_document(report: Report) -> dict[str, Any]:
         },
         "binding": {name: dict(fields) for name, fields in manifest.binding.details.items()},
         "checklist": checklist_document(report.checklist),
+        "warnings": [
+            {
+                "code": w.code,
+                "stage": w.stage,
+                "tensor": w.tensor,
+                "index": w.index,
+                "message": w.message,
+            }
+            for w in report.warnings
+        ],
     }
 
 

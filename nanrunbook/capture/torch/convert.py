@@ -7,13 +7,11 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.writer import NUMPY_DTYPES, register_converter
+from nanrunbook.capture.writer import register_converter
+from nanrunbook.dtypes import TORCH_DTYPES
 from nanrunbook.tensors.safetensors_write import RawTensor
 
 __all__ = ["TORCH_DTYPES", "dtype_name", "safetensors_dtype", "tensor_to_raw"]
-
-# torch and numpy/ml_dtypes share their dtype names; torch adds packed F4.
-TORCH_DTYPES = {**NUMPY_DTYPES, "float4_e2m1fn_x2": "F4"}
 
 
 def dtype_name(dtype: Any) -> str:

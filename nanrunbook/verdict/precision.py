@@ -1,0 +1,212 @@
+"""Precision facts about an accepted bundle: headroom to the dtypes' largest finite
+values, and the early warnings drawn from them and from the gradients' small values.
+
+Everything here reads a :class:`~nanrunbook.verdict.report.Report` and returns
+frozen records; nothing changes the decision or the exit code. Values are the
+tensors' as stored (scaled gradients before any division by the loss scale), so
+they compare with the range of the dtype that holds them.
+
+Warnings and their thresholds (:class:`WarningThresholds`):
+
+* ``AT_DTYPE_MAX``: a tensor's largest finite magnitude equals its dtype's largest
+  finite value (saturated; a cast or an overflowing op clamped there, or the
+  next step will not fit).
+* ``NEAR_DTYPE_MAX``: less than ``near_max_bits`` (default 1) bits of headroom to
+  the tensor's dtype, or, in a stage computed in the compute dtype, to that dtype.
+* ``BEYOND_COMPUTE_DTYPE``: in a stage computed in the compute dtype (input,
+  forward, loss), a finite magnitude above that dtype's largest finite value: the
+  cast to the compute dtype cannot represent it.
+* ``GRADIENT_UNDERFLOW``: in the backward stage, a tensor of a dtype in
+  ``underflow_dtypes`` (default: the floating dtypes of at most 16 bits) whose
+  share of zero or subnormal finite values is above ``underflow_share`` (default
+  0.5); or, under a loss scale (scaler mode static or dynamic), a gradient whose
+  values are all zero. Only gradients whose elements are all finite are looked at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nanrunbook.dtypes import DTYPES, DType
+from nanrunbook.records import EarlyWarning, Extremes, Headroom, TensorHeadroom
+
+if TYPE_CHECKING:  # the report's JSON document uses headroom(): no import back at run time
+    from nanrunbook.verdict.report import Report
+
+__all__ = [
+    "COMPUTE_STAGES",
+    "WarningThresholds",
+    "early_warnings",
+    "headroom",
+]
+
+# The stages autocast-style mixed precision computes in precision.compute_dtype.
+COMPUTE_STAGES: tuple[str, ...] = ("input", "forward", "loss")
+_GRADIENT_STAGE = "backward"
+
+_LOW_PRECISION = frozenset(d.name for d in DTYPES.values() if d.kind == "float" and d.bits <= 16)
+
+
+@dataclass(frozen=True, slots=True)
+class WarningThresholds:
+    """When a warning fires; the defaults are documented in ``nanrunbook(1)``."""
+
+    near_max_bits: float = 1.0  # NEAR_DTYPE_MAX below this many bits of headroom
+    underflow_share: float = 0.5  # GRADIENT_UNDERFLOW above this share of zero/subnormal
+    underflow_dtypes: frozenset[str] = field(default=_LOW_PRECISION)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.near_max_bits) and self.near_max_bits >= 0):
+            raise ValueError(f"near_max_bits must be finite and >= 0, not {self.near_max_bits}")
+        if not 0 <= self.underflow_share <= 1:
+            raise ValueError(f"underflow_share must be within [0, 1], not {self.underflow_share}")
+        unknown = sorted(
+            name
+            for name in self.underflow_dtypes
+            if name not in DTYPES or not DTYPES[name].floating
+        )
+        if unknown:
+            raise ValueError(f"underflow_dtypes: not floating dtypes: {', '.join(unknown)}")
+
+
+def headroom(report: Report) -> tuple[TensorHeadroom, ...]:
+    """Every recounted floating tensor's headroom, in stage order, then capture order."""
+    compute = DTYPES.get(report.manifest.binding.compute_dtype)
+    if compute is not None and not compute.floating:
+        compute = None
+    found: list[TensorHeadroom] = []
+    for stage in report.stages:
+        for index, tensor in enumerate(stage.tensors):
+            extremes, counts = tensor.extremes, tensor.counts
+            if extremes is None or counts is None:
+                continue
+            dtype = DTYPES[tensor.entry.dtype]
+            against = compute if stage.stage in COMPUTE_STAGES else None
+            found.append(
+                TensorHeadroom(
+                    stage=stage.stage,
+                    index=index,
+                    tensor=tensor.entry.name,
+                    dtype=dtype.name,
+                    counts=counts,
+                    extremes=extremes,
+                    own=_headroom(extremes, counts.finite, dtype),
+                    compute=None
+                    if against is None
+                    else _headroom(extremes, counts.finite, against),
+                )
+            )
+    return tuple(found)
+
+
+def _headroom(extremes: Extremes, finite: int, dtype: DType) -> Headroom:
+    top = dtype.max_finite
+    assert top is not None
+    max_abs = extremes.max_abs
+    smallest = extremes.min_nonzero_abs
+    # A difference of logs: the ratio itself overflows for subnormal magnitudes.
+    bits = math.log2(top) - math.log2(max_abs) if max_abs else None
+    return Headroom(
+        dtype=dtype.name,
+        max_finite=top,
+        bits=bits,
+        exp_limit=math.log(top),
+        square_limit=math.sqrt(top),
+        reciprocal_limit=1 / top,
+        exp_overflows=extremes.max is not None and extremes.max > math.log(top),
+        square_overflows=max_abs is not None and max_abs > math.sqrt(top),
+        reciprocal_overflows=smallest is not None and smallest < 1 / top,
+        sum_can_overflow=max_abs is not None and finite * max_abs > top,
+    )
+
+
+def early_warnings(
+    report: Report, thresholds: WarningThresholds | None = None
+) -> tuple[EarlyWarning, ...]:
+    """The report's warnings under ``thresholds`` (default :class:`WarningThresholds`),
+    upstream stages first, then capture order."""
+    limits = thresholds or WarningThresholds()
+    scale = report.scaler.scale if report.scaler.mode != "none" else None
+    found: list[EarlyWarning] = []
+    for tensor in headroom(report):
+        for code, message in (
+            *_range_warnings(tensor, limits),
+            *_underflow_warnings(tensor, limits, scale),
+        ):
+            found.append(EarlyWarning(code, tensor.stage, tensor.tensor, tensor.index, message))
+    return tuple(found)
+
+
+def _range_warnings(tensor: TensorHeadroom, limits: WarningThresholds) -> list[tuple[str, str]]:
+    """Exact comparisons of max_abs with the maxima (a difference of logs may round)."""
+    found: list[tuple[str, str]] = []
+    own, max_abs = tensor.own, tensor.extremes.max_abs
+    if not max_abs:
+        return found
+    if max_abs == own.max_finite:
+        found.append(
+            ("AT_DTYPE_MAX", f"max |value| is {_num(max_abs)}, {own.dtype}'s largest finite value")
+        )
+    elif _near(max_abs, own.max_finite, limits):
+        found.append(("NEAR_DTYPE_MAX", _below(max_abs, own, f"{own.dtype}'s")))
+    compute = tensor.compute
+    if compute is None or compute.dtype == own.dtype:
+        return found
+    if max_abs > compute.max_finite:
+        found.append(
+            (
+                "BEYOND_COMPUTE_DTYPE",
+                f"max |value| {_num(max_abs)} is above {_num(compute.max_finite)}, the largest"
+                f" finite value of the compute dtype {compute.dtype}"
+                f" ({_num(-_bits(compute), 3)} bits beyond)",
+            )
+        )
+    elif _near(max_abs, compute.max_finite, limits):
+        whose = f"the compute dtype {compute.dtype}'s"
+        found.append(("NEAR_DTYPE_MAX", _below(max_abs, compute, whose)))
+    return found
+
+
+def _near(max_abs: float, max_finite: float, limits: WarningThresholds) -> bool:
+    """Less than ``near_max_bits`` below: max_finite / max_abs < 2 ** bits, exactly
+    for whole bits (a product that overflows to infinity still compares right)."""
+    return max_abs <= max_finite < max_abs * math.pow(2.0, limits.near_max_bits)
+
+
+def _bits(room: Headroom) -> float:
+    assert room.bits is not None
+    return room.bits
+
+
+def _below(max_abs: float, room: Headroom, whose: str) -> str:
+    return (
+        f"max |value| {_num(max_abs)} is {_num(_bits(room), 3)} bits below {whose} largest"
+        f" finite value {_num(room.max_finite)}"
+    )
+
+
+def _underflow_warnings(
+    tensor: TensorHeadroom, limits: WarningThresholds, scale: float | None
+) -> list[tuple[str, str]]:
+    extremes = tensor.extremes
+    # A gradient with NaN or infinite elements is a stronger signal than its zeros.
+    if tensor.stage != _GRADIENT_STAGE or not extremes.values or tensor.counts.nonfinite:
+        return []
+    if scale is not None and extremes.zeros == extremes.values:
+        message = f"all {extremes.values} finite values are zero under loss scale {_num(scale)}"
+        return [("GRADIENT_UNDERFLOW", message)]
+    small = extremes.zeros + extremes.subnormals
+    share = small / extremes.values
+    if tensor.dtype in limits.underflow_dtypes and share > limits.underflow_share:
+        message = (
+            f"{extremes.zeros} zero and {extremes.subnormals} subnormal of {extremes.values}"
+            f" finite {tensor.dtype} values ({share:.1%}; threshold {limits.underflow_share:.1%})"
+        )
+        return [("GRADIENT_UNDERFLOW", message)]
+    return []
+
+
+def _num(value: float, digits: int = 6) -> str:
+    return f"{value:.{digits}g}"
