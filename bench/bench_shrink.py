@@ -12,8 +12,9 @@ std. Times, alternating round by round:
 * ``plain``    -- ``shrink_step(hint=False)``: delta debugging from halves;
 * ``fixture``  -- ``shrink_step`` writing the fixture (export, bundle, test).
 
-Prints medians, the replays each needed, and the ratio to ``step``. Then the
-replays plain delta debugging needs for every position of the bad example.
+The order rotates from round to round. Prints medians, the replays each
+needed, and the ratio to ``step``. Then the trials plain delta debugging needs
+for every position of the bad example (a smaller model: only the count matters).
 """
 
 from __future__ import annotations
@@ -136,10 +137,13 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     replays: dict[str, int] = {}
-    for _ in range(args.rounds):
+    names = list(runs)
+    for round_ in range(args.rounds):
         twin = copy.deepcopy(model)
         copies = [(twin, torch.optim.AdamW(twin.parameters()))]
-        for name, run in runs.items():
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]  # rotate: no slot bias
+        for name in order:
+            run = runs[name]
             elapsed, result = timed(run)
             times[name].append(elapsed)
             if result is not None:
