@@ -28,5 +28,16 @@ WARNING_CODES = MappingProxyType(
             "the trend of gradient headroom over the last window reaches the dtype's max"
             " within a window's steps"
         ),
+        # The training-loop sentinel's (nanrunbook.capture.torch.Sentinel) telemetry.
+        "GRAD_NORM_SPIKE": (
+            "the gradient norm is above a multiple of the median of the recent window"
+        ),
+        "LOSS_SCALE_BACKOFF_STREAK": "the dynamic loss scale backed off several steps in a row",
+        "LOSS_SCALE_BELOW_FLOOR": "the dynamic loss scale fell below the floor",
+        "SKIPPED_UPDATE_STREAK": "several consecutive steps were skipped without an update",
+        "CHECKPOINT_NOT_RECOVERY_POINT": (
+            "a checkpoint did not verify all five recovery parts together;"
+            " the last known-good state stays the previous one"
+        ),
     }
 )
