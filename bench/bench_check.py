@@ -1,6 +1,7 @@
 """Benchmark: ``nanrunbook check`` on a big bundle against the SHA-256 floor and torch.
 
     python bench/bench_check.py [--size 1GiB] [--runs 5] [--no-torch] [--baseline DIR]
+                                [--manifest-only]
 
 Generates a bundle of ``--size`` bytes once into ``.bench-cache/`` (see
 ``bundlegen.py``), then times, alternating round by round so that the noise of
@@ -21,6 +22,18 @@ a shared machine falls on every command alike, each in its own subprocess:
 
 ``check`` and ``library`` run the nanrunbook of this checkout (``PYTHONPATH`` is
 set to it), whatever an installed copy points at.
+
+The manifest side has rows of its own, on bundles of many small tensors (16
+F32 elements each, ``bundlegen.generate_many``), where the data costs nothing
+and JSON, fields and headers are the whole check:
+
+* ``many``   -- ``nanrunbook check`` on 20,480 tensors (a 6.6 MB manifest);
+* ``orjson`` -- ``orjson.loads`` of that manifest alone, in its own process: the
+  floor of reading it at all;
+* ``few``    -- ``nanrunbook check`` on 50 tensors: the everyday bundle;
+* ``many-base``, ``few-base`` -- with ``--baseline DIR``, the same from DIR.
+
+``--manifest-only`` runs just these, without the 1 GiB bundle.
 
 It prints the median wall time of each, the ratios, and the peak RSS of each
 subprocess (``ru_maxrss`` from ``wait4``). Every timed run reads files that the
@@ -45,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bundlegen import ensure_bundle, parse_size, show_size, tensor_files  # noqa: E402
+from bundlegen import ensure_bundle, ensure_many, parse_size, show_size, tensor_files  # noqa: E402
 
 TINY = ROOT / "fixtures" / "continue-all-finite"
 # The same check and kv output through the library, without the CLI framework:
@@ -55,6 +68,11 @@ LIBRARY = (
     " from nanrunbook.output.renderers import RENDERERS;"
     " r = check_bundle(sys.argv[1]); RENDERERS['kv'].report(r, sys.stdout); sys.exit(r.exit_code)"
 )
+
+
+MANY_TENSORS = 20_480
+FEW_TENSORS = 50
+ORJSON_ONLY = "import sys, orjson; orjson.loads(open(sys.argv[1], 'rb').read())"
 
 
 def tree_env(tree: Path) -> dict[str, str]:
@@ -121,6 +139,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--baseline", type=Path, help="another nanrunbook source tree, timed as 'base'"
     )
+    parser.add_argument(
+        "--manifest-only", action="store_true", help="only the many-tensor rows (no 1 GiB bundle)"
+    )
     return parser.parse_args()
 
 
@@ -147,10 +168,28 @@ def build_commands(bundle: Path, args: argparse.Namespace) -> list[Command]:
     return commands
 
 
-def describe_setup(bundle: Path, data_bytes: int, baseline: Path | None) -> None:
-    print(
-        f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {len(tensor_files(bundle))} files)"
-    )
+def manifest_commands(args: argparse.Namespace) -> list[Command]:
+    many, few = ensure_many(args.cache, MANY_TENSORS), ensure_many(args.cache, FEW_TENSORS)
+    check = [*nanrunbook_argv(), "check", "--format", "kv"]
+    mine = tree_env(ROOT)
+    commands = [
+        Command("many", [*check, str(many)], 1, mine),
+        Command("orjson", [sys.executable, "-c", ORJSON_ONLY, str(many / "manifest.json")], 0),
+        Command("few", [*check, str(few)], 1, mine),
+    ]
+    if args.baseline:
+        base = tree_env(args.baseline.resolve())
+        commands.append(Command("many-base", [*check, str(many)], 1, base))
+        commands.append(Command("few-base", [*check, str(few)], 1, base))
+    print(f"many       {many} ({(many / 'manifest.json').stat().st_size / 1e6:.1f} MB manifest)")
+    print(f"few        {few}")
+    return commands
+
+
+def describe_setup(bundle: Path | None, data_bytes: int, baseline: Path | None) -> None:
+    if bundle is not None:
+        files = len(tensor_files(bundle))
+        print(f"bundle     {bundle} ({data_bytes / 2**30:.2f} GiB in {files} files)")
     print(
         f"machine    {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
@@ -190,15 +229,42 @@ def report(commands: list[Command], args: argparse.Namespace, data_bytes: int) -
     by = {c.name: c for c in commands}
     print()
     print(
-        f"{'command':8} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
+        f"{'command':9} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}"
         f" {'peak RSS MB':>12}  (runs: {args.runs}; cpu: median user + system)"
     )
     for c in commands:
         print(
-            f"{c.name:8} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
+            f"{c.name:9} {c.median:9.3f} {min(c.walls):7.3f} {max(c.walls):7.3f} {c.cpu:7.3f}"
             f" {c.peak_mb:12.1f}"
         )
     print()
+    report_manifest(by)
+    if "check" in by:
+        report_data(by, args, data_bytes)
+    print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
+    print("                      others were running too and the ratios are pessimistic)")
+
+
+def report_manifest(by: dict[str, Command]) -> None:
+    many, orjson, few = by["many"], by["orjson"], by["few"]
+    print(
+        f"many / orjson.loads   {many.median / orjson.median:.2f} x   wall {many.median:.3f} s"
+        f" (target <= 0.5 s), cpu {many.cpu:.3f} s, for {MANY_TENSORS:,} tensors"
+    )
+    print(f"few tensors check     {few.median:.3f} s, cpu {few.cpu:.3f} s ({FEW_TENSORS} tensors)")
+    for name in ("many", "few"):
+        base = by.get(f"{name}-base")
+        if base is not None:
+            mine = by[name]
+            print(
+                f"{name} / {name}-base".ljust(22)
+                + f"wall {mine.median / base.median:.2f} x ({mine.median:.3f} s vs"
+                f" {base.median:.3f} s), cpu {mine.cpu / base.cpu:.2f} x"
+                f" ({mine.cpu:.3f} s vs {base.cpu:.3f} s)"
+            )
+
+
+def report_data(by: dict[str, Command], args: argparse.Namespace, data_bytes: int) -> None:
     check, sha = by["check"], by["sha256"]
     print(
         f"check / sha256 floor  {check.median / sha.median:.2f} x   (target <= 0.75, at least"
@@ -221,15 +287,18 @@ def report(commands: list[Command], args: argparse.Namespace, data_bytes: int) -
     size = show_size(parse_size(args.size))
     print(f"check peak RSS        {check.peak_mb:.1f} MB (target <= 160) at {size}")
     print(f"tiny fixture check    {by['tiny'].median:.3f} s (target < 0.4)")
-    print(f"1-min load average    {os.getloadavg()[0]:.2f} after the runs (2 CPUs: above ~0.5,")
-    print("                      others were running too and the ratios are pessimistic)")
 
 
 def main() -> None:
     args = parse_args()
-    bundle = ensure_bundle(args.cache, parse_size(args.size))
-    data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
-    commands = build_commands(bundle, args)
+    commands: list[Command] = []
+    data_bytes = 0
+    bundle = None
+    if not args.manifest_only:
+        bundle = ensure_bundle(args.cache, parse_size(args.size))
+        data_bytes = sum(p.stat().st_size for p in tensor_files(bundle))
+        commands += build_commands(bundle, args)
+    commands += manifest_commands(args)
     describe_setup(bundle, data_bytes, args.baseline)
     run_rounds(commands, args.runs)
     report(commands, args, data_bytes)

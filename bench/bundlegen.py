@@ -252,7 +252,14 @@ def generate(target: Path, size: int, seed: int = 0, perturb: tuple[str, ...] = 
         ]
         record["finite_max_abs"] = max(maxima) if maxima else None
         stages.append(record)
-    manifest: dict[str, Any] = {
+    manifest = _manifest(stages)
+    manifest[EVIDENCE_ID_KEY] = evidence_content_id(manifest)
+    (temp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(temp, target)
+
+
+def _manifest(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "format": "nanrunbook-bundle/1",
         "contract_version": "training-incident-v1",
         "evidence_id": "run-bench.step-9042",
@@ -266,9 +273,96 @@ def generate(target: Path, size: int, seed: int = 0, perturb: tuple[str, ...] = 
         },
         "stages": stages,
     }
+
+
+MANY_ELEMENTS = 16  # elements per tensor in the many-tensor bundle
+
+
+def generate_many(target: Path, tensors: int, seed: int = 0) -> None:
+    """A bundle of ``tensors`` small F32 tensors (16 elements each), spread evenly
+    over the five stages, one file per stage, one NaN in the first gradient.
+
+    It imitates a capture that records every leaf module and parameter: what
+    costs here is the manifest side (JSON, fields, headers), not the data.
+    """
+    import numpy as np
+
+    from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
+
+    temp = target.with_name(target.name + ".partial")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    per_stage = [tensors // 5 + (1 if i < tensors % 5 else 0) for i in range(5)]
+    stages = [
+        _many_tensor_stage(temp, stage, count, rng)
+        for stage, count in zip(OWNERS, per_stage, strict=True)
+    ]
+    manifest = _manifest(stages)
     manifest[EVIDENCE_ID_KEY] = evidence_content_id(manifest)
     (temp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(temp, target)
+
+
+def _many_tensor_stage(
+    temp: Path, stage: str, count: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """One stage of ``generate_many``: its file written, its manifest record."""
+    import numpy as np
+
+    from nanrunbook.tensors.counting import tally_bytes
+
+    file = f"{stage}.safetensors"
+    values = rng.standard_normal((count, MANY_ELEMENTS), dtype=np.float32)
+    if stage == "backward":
+        values[0, 3] = np.nan
+    names = [f"{stage}/layers.{i}.out" for i in range(count)]
+    size = MANY_ELEMENTS * 4
+    header = {
+        name: {"dtype": "F32", "shape": [MANY_ELEMENTS], "data_offsets": [i * size, (i + 1) * size]}
+        for i, name in enumerate(names)
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data = values.astype("<f4").tobytes()
+    (temp / file).write_bytes(struct.pack("<Q", len(text)) + text + data)
+    tally = tally_bytes("F32", data)
+    record: dict[str, Any] = {
+        "stage": stage,
+        "status": "OBSERVED",
+        "owner": OWNERS[stage],
+        "telemetry_id": f"tel-9042-{stage}",
+        "tensor_set": {"id": f"ts-9042-{stage}", "probe_source": f"bench capture of {stage}"},
+        "resolution": "complete",
+    }
+    if stage == "backward":
+        record["gradients"] = "unscaled"
+    record["tensors"] = [
+        {
+            "name": name,
+            "file": file,
+            "dtype": "F32",
+            "shape": [MANY_ELEMENTS],
+            "sha256": hashlib.sha256(data[i * size : (i + 1) * size]).hexdigest(),
+            "probe": f"{name} output",
+        }
+        for i, name in enumerate(names)
+    ]
+    record["counts"] = {
+        key: getattr(tally, key) for key in ("elements", "finite", "nan", "posinf", "neginf")
+    }
+    record["finite_max_abs"] = tally.max_abs
+    return record
+
+
+def ensure_many(cache: Path, tensors: int) -> Path:
+    """The cached many-tensor bundle, generated on first use in a subprocess."""
+    target = cache / f"bundle-{tensors}-tensors-v{LAYOUT_VERSION}"
+    if not (target / "manifest.json").is_file():
+        print(f"generating {target} (once) ...", flush=True)
+        command = [sys.executable, __file__, "--tensors", str(target), str(tensors)]
+        subprocess.run(command, check=True)
+    return target
 
 
 def ensure_bundle(cache: Path, size: int, perturb: tuple[str, ...] = ()) -> Path:
@@ -292,5 +386,8 @@ def tensor_files(bundle: Path) -> list[Path]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    names = tuple(n for n in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if n)
-    generate(Path(sys.argv[1]), int(sys.argv[2]), perturb=names)
+    if sys.argv[1] == "--tensors":
+        generate_many(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        names = tuple(n for n in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if n)
+        generate(Path(sys.argv[1]), int(sys.argv[2]), perturb=names)

@@ -126,6 +126,15 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     unsafe = check_relative_path(relpath)
     if unsafe:
         raise EvidenceRejected(unsafe)
+    root, parts = _resolve_inside(bundle_dir, relpath)
+    fd, before = _open_beneath(root, parts, relpath)
+    _confirm_opened(fd, before, relpath)
+    return fd
+
+
+def _resolve_inside(bundle_dir: Path, relpath: str) -> tuple[str, list[str]]:
+    """The bundle's real path and the components of the file's real path below it;
+    refuses a path that resolves outside the bundle or to a directory."""
     try:
         root = os.path.realpath(bundle_dir, strict=True)
     except OSError as err:
@@ -151,7 +160,13 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     if relpath.endswith(("/", "/.")):
         # realpath drops the trailing "/", but the path names a directory (POSIX).
         raise _reject("FILE_NOT_REGULAR", relpath, "tensor file path names a directory")
+    return root, parts
 
+
+def _open_beneath(root: str, parts: list[str], relpath: str) -> tuple[int, os.stat_result]:
+    """Open the file again, component by component from ``root`` with O_NOFOLLOW,
+    so that a symlink swapped in since ``_resolve_inside`` fails the open; return
+    the fd and the final component's lstat taken before it was opened."""
     opened: list[int] = []
     try:
         try:
@@ -174,6 +189,12 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     finally:
         for dir_fd in opened:
             os.close(dir_fd)
+    return fd, before
+
+
+def _confirm_opened(fd: int, before: os.stat_result, relpath: str) -> None:
+    """The opened fd's fstat is authoritative: a regular file, and the one lstat-ed
+    before the open. Closes ``fd`` when it raises."""
     try:
         after = os.fstat(fd)
     except OSError as err:
@@ -189,7 +210,6 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
         raise _reject("FILE_UNREADABLE", relpath, "tensor file was replaced while being opened")
-    return fd
 
 
 def _kind(mode: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from nanrunbook.access import read_manifest_bytes
 from nanrunbook.contract import Caps, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation
-from nanrunbook.manifest.content_id import evidence_content_id
+from nanrunbook.manifest.content_id import content_id_violations
 from nanrunbook.manifest.declared import (
     NOTHING_DECLARED,
     Declared,
@@ -22,8 +22,8 @@ from nanrunbook.manifest.declared import (
     declared_values,
 )
 from nanrunbook.manifest.parse import parse_manifest
-from nanrunbook.manifest.rules import scaler_stage_violations
-from nanrunbook.strictjson import load_manifest_bytes
+from nanrunbook.manifest.rules import found_inf_violations
+from nanrunbook.strictjson import load_manifest
 from nanrunbook.tensors.verify import Progress, verify_bundle
 from nanrunbook.verdict.decision import decide
 from nanrunbook.verdict.followup import checklist_for
@@ -64,38 +64,30 @@ def check_bundle(
     """
     caps = caps or Caps()
     bundle = Path(path)
-    tree = load_manifest_bytes(read_manifest_bytes(bundle))
-    declared = declared_values(tree)
-    manifest, violations = parse_manifest(tree, caps)
-    declared_id = tree.get("evidence_content_id")
-    recomputed = evidence_content_id(tree)
-    malformed = any(v.code == "EVIDENCE_CONTENT_ID_INVALID" for v in violations)
-    if isinstance(declared_id, str) and declared_id != recomputed and not malformed:
-        violations.append(
-            Violation(
-                "EVIDENCE_CONTENT_ID_MISMATCH",
-                "$.evidence_content_id",
-                f"the manifest's content recomputes to {recomputed}",
-            )
-        )
+
+    # 1. The manifest file, read strictly: a lexical violation stops here.
+    document = load_manifest(read_manifest_bytes(bundle))
+    declared = declared_values(document.value)
+
+    # 2. Fields, records and contract rules, caps included; the content id.
+    manifest, violations = parse_manifest(document.value, caps)
+    violations += content_id_violations(document)
     if manifest is None:
         raise BundleRejected(violations, declared)
-    del tree  # the records hold what is needed; a large tree need not stay while data is read
+    del document  # the records hold what is needed; a large tree need not stay while data is read
 
-    # A stale content id still lets the data be checked: report both at once.
+    # 3. The tensor files: headers, bindings, digests and recounts. A stale
+    # content id still lets the data be checked, so both are reported at once.
     findings, file_violations = verify_bundle(bundle, manifest, progress, workers=workers)
-    violations.extend(file_violations)
-    # found_inf agreed with the declared counts (else the manifest was rejected
-    # above); where the recount differs from them, say what it means for the scaler.
-    violations.extend(
-        v
-        for v in scaler_stage_violations(manifest.binding.scaler, findings, "$", gradients=None)
-        if v.code == "SCALER_FOUND_INF_MISMATCH"
-    )
+    violations += file_violations
+    # found_inf agreed with the declared counts; it must agree with the recount too.
+    violations += found_inf_violations(manifest.binding.scaler, findings, "$")
     if violations:
         raise BundleRejected(violations, declared)
 
-    decision = decide(findings)
+    # 4. The decision, which checks again every invariant it rests on; then the
+    # early warnings, which never change it.
+    decision = decide(findings, manifest.binding.scaler)
     report = Report(
         bundle=str(bundle),
         contract_content_id=contract_content_id(caps),

@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 from nanrunbook import access, strictjson
 from nanrunbook.capture import seal
-from nanrunbook.manifest import fields, parse, rules
+from nanrunbook.manifest import content_id, fields, parse, rules
 from nanrunbook.tensors import safetensors, verify
 from nanrunbook.verdict import decision, incident_set, merge
 
@@ -20,8 +20,8 @@ __all__ = ["CODES"]
 
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
-    modules = (strictjson, fields, parse, rules, access, safetensors, verify, decision, seal)
-    for module in (*modules, incident_set, merge):
+    modules = (strictjson, fields, parse, content_id, rules, access, safetensors, verify)
+    for module in (*modules, decision, seal, incident_set, merge):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

@@ -11,8 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import rfc8785
-
+from nanrunbook import access, strictjson
 from nanrunbook.exits import Exit
 from nanrunbook.records import STAGE_ORDER
 
@@ -25,6 +24,7 @@ __all__ = [
     "NO_NONFINITE_ACTION",
     "ROOT_CAUSE_CLAIM",
     "Caps",
+    "bounds",
     "contract_content_id",
     "contract_document",
 ]
@@ -44,18 +44,35 @@ ACTIONS: dict[str, str] = {
 }
 CONTRACT_ID_PREFIX = "training-incident-contract@sha256:"
 
-# Bounds fixed by the format; unlike the caps, no option changes them.
-BOUNDS: dict[str, Any] = {
-    "manifest_max_bytes": 16 * 1024 * 1024,
-    "manifest_max_depth": 32,
-    "safe_integer_max": 2**53 - 1,
-    "identifier_pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,255}$",
-    "free_text_max_chars": 1024,
-    "tensor_name_max_chars": 256,
-    "tensor_header_max_bytes": 100_000_000,
-    "scale_min_exponent": -24,
-    "scale_max_exponent": 24,
-}
+# Bounds fixed by the format; unlike the caps, no option changes them. Those the
+# manifest fields and the tensor headers enforce are defined here; the strict
+# reader's (depth, safe integers) and the manifest's size are defined where they
+# are enforced. :func:`bounds` reads them all when the document is built.
+IDENTIFIER_MAX_CHARS = 256
+IDENTIFIER_PATTERN = rf"[A-Za-z0-9][A-Za-z0-9._:@/+=-]{{0,{IDENTIFIER_MAX_CHARS - 1}}}"
+MAX_FREE_TEXT = 1024
+MAX_TENSOR_NAME = 256
+TENSOR_HEADER_MAX_BYTES = 100_000_000  # the safetensors format's own cap
+# A loss scale is a power of two 2^k, SCALE_MIN_EXPONENT <= k <= SCALE_MAX_EXPONENT.
+SCALE_MIN_EXPONENT = -24
+SCALE_MAX_EXPONENT = 24
+SCALE_MIN = 2.0**SCALE_MIN_EXPONENT
+SCALE_MAX = 2.0**SCALE_MAX_EXPONENT
+
+
+def bounds() -> dict[str, Any]:
+    """The fixed bounds in force, read from the constants the checks enforce."""
+    return {
+        "manifest_max_bytes": access.MANIFEST_MAX_BYTES,
+        "manifest_max_depth": strictjson.MAX_DEPTH,
+        "safe_integer_max": strictjson.MAX_SAFE_INTEGER,
+        "identifier_pattern": f"^{IDENTIFIER_PATTERN}$",
+        "free_text_max_chars": MAX_FREE_TEXT,
+        "tensor_name_max_chars": MAX_TENSOR_NAME,
+        "tensor_header_max_bytes": TENSOR_HEADER_MAX_BYTES,
+        "scale_min_exponent": SCALE_MIN_EXPONENT,
+        "scale_max_exponent": SCALE_MAX_EXPONENT,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +89,9 @@ class Caps:
             # bool is an int subclass; a cap of True is a caller's bug.
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer")
-            if value > 2**53 - 1:
-                raise ValueError(f"{name} must be at most 2^53 - 1")
+            if value > strictjson.MAX_SAFE_INTEGER:
+                limit = strictjson.power_of_two_text(strictjson.MAX_SAFE_INTEGER)
+                raise ValueError(f"{name} must be at most {limit}")
 
 
 def contract_document(caps: Caps | None = None) -> dict[str, Any]:
@@ -105,10 +123,10 @@ def contract_document(caps: Caps | None = None) -> dict[str, Any]:
             "max_bundle_elements": caps.max_bundle_elements,
             "max_stage_tensors": caps.max_stage_tensors,
         },
-        "bounds": dict(BOUNDS),
+        "bounds": bounds(),
     }
 
 
 def contract_content_id(caps: Caps | None = None) -> str:
-    canonical: bytes = rfc8785.dumps(contract_document(caps))
+    canonical = strictjson.canonical_json(contract_document(caps))
     return CONTRACT_ID_PREFIX + hashlib.sha256(canonical).hexdigest()

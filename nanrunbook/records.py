@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from itertools import chain
+from typing import Any, Literal
 
 __all__ = [
     "STAGE_ORDER",
@@ -23,9 +24,54 @@ __all__ = [
     "TensorEntry",
     "TensorFinding",
     "TensorHeadroom",
+    "element_count",
+    "element_counts",
 ]
 
 STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
+
+
+def element_count(shape: Iterable[int], limit: int) -> int | None:
+    """The product of the dims (1 for a scalar), or None once it passes ``limit``.
+
+    Python ints never overflow, but a long shape of huge dims would make one huge
+    product slowly; every caller has a bound past which the count is refused.
+    """
+    dims = tuple(shape)
+    if 0 in dims:
+        return 0
+    count = 1
+    for dim in dims:
+        count *= dim
+        if count > limit:
+            return None
+    return count
+
+
+def element_counts(
+    shapes: Sequence[Any], limit: int, *, dim_limit: int | None = None
+) -> list[int] | None:
+    """The element count of every shape, when each is a list of integers >= 0 (each
+    at most ``dim_limit``, if given) whose product is at most ``limit``; else None.
+    A whole column of shapes at once, in C where it can be."""
+    if set(map(type, shapes)) != {list}:
+        return None
+    dims: list[Any] = list(chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+        return None
+    if dims and dim_limit is not None and max(dims) > dim_limit:
+        return None
+    if max(map(len, shapes)) <= 4:  # short products are cheap whatever the dims
+        counts = list(map(math.prod, shapes))
+        return counts if max(counts) <= limit else None
+    guarded: list[int] = []
+    for shape in shapes:  # a long product of large dims is slow: stop at the limit
+        count = element_count(shape, limit)
+        if count is None:
+            return None
+        guarded.append(count)
+    return guarded
+
 
 Status = Literal["OBSERVED", "NOT_RUN"]
 CountsSource = Literal["recounted", "declared"]

@@ -1,10 +1,19 @@
-"""Strict JSON for manifest.json: lexical rules the standard library lets through.
+"""Strict JSON: the one reader of manifest.json and safetensors headers, and the
+RFC 8785 form that content ids hash.
 
 ``json.loads`` accepts duplicate keys, ``NaN``/``Infinity`` literals, number
-literals that overflow to infinity and integers of any size. The spec rejects all
-of them, with the JSON path of each, so the hooks below never raise: they leave
-markers in the parsed tree and :func:`lexical_violations` collects them all in one
-walk, together with control characters and excessive nesting.
+literals that overflow to infinity, integers of any size, ``-0`` as the integer
+0, and escapes of lone UTF-16 surrogates. The spec rejects all of them, with the
+JSON path of each. A :class:`Dialect` names the rules a kind of document applies
+and the code each one reports: the manifest's are :data:`MANIFEST`, a header's
+live with the header code.
+
+Everything runs at C speed unless something is wrong. ``json``'s C scanner
+parses; its hooks run once per object and per number literal, never per
+character, and leave markers where a literal breaks a rule. The string rules
+and the nesting depth are screened over the whole text with ``bytes`` searches,
+``translate`` and compiled patterns. Only when a hook or a screen finds
+something is the tree walked, to name the path of every violation.
 """
 
 from __future__ import annotations
@@ -12,36 +21,89 @@ from __future__ import annotations
 import json
 import math
 import re
-import unicodedata
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
+import rfc8785
 
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 
 __all__ = [
     "CODES",
+    "MANIFEST",
     "MAX_DEPTH",
     "MAX_SAFE_INTEGER",
+    "Dialect",
+    "Parsed",
+    "canonical_json",
     "child_path",
     "has_control_character",
+    "load_manifest",
     "load_manifest_bytes",
+    "pairs_of",
+    "parse_json",
 ]
 
 MAX_DEPTH = 32
+# Integers beyond this are not exact in an IEEE double; RFC 8785 refuses them.
 MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def power_of_two_text(limit: int) -> str:
+    """How the docs spell a bound one below a power of two: ``2^53 - 1``."""
+    return f"2^{(limit + 1).bit_length() - 1} - 1"
+
+
+# The lexical rules, each a kind a Dialect maps to its own code.
+DUPLICATE_KEY = "duplicate_key"
+NONFINITE = "nonfinite"
+INTEGER_RANGE = "integer_range"
+CONTROL = "control_character"
+LONE_SURROGATE = "lone_surrogate"
+TOO_DEEP = "too_deep"
 
 CODES = {
     "MANIFEST_NOT_UTF8": "manifest.json is not UTF-8, or starts with a byte-order mark",
     "MANIFEST_INVALID_JSON": "manifest.json is not one well-formed JSON value",
-    "MANIFEST_TOO_DEEP": "manifest.json nests objects and arrays more than 32 deep",
+    "MANIFEST_TOO_DEEP": f"manifest.json nests objects and arrays more than {MAX_DEPTH} deep",
     "MANIFEST_NOT_OBJECT": "manifest.json is not a JSON object",
     "JSON_DUPLICATE_KEY": "an object repeats a key",
     "JSON_NONFINITE_NUMBER": "a NaN or Infinity literal, or a number that overflows to infinity",
-    "JSON_INTEGER_OUT_OF_RANGE": "an integer outside +-(2^53 - 1), the RFC 8785 safe range",
+    "JSON_INTEGER_OUT_OF_RANGE": (
+        f"an integer outside +-({power_of_two_text(MAX_SAFE_INTEGER)}), the RFC 8785 safe range"
+    ),
     "JSON_CONTROL_CHARACTER": "a string or key contains a C0, DEL or C1 control character",
     "JSON_LONE_SURROGATE": "a string or key escapes a lone UTF-16 surrogate, which has no UTF-8 form",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """The lexical rules one kind of document applies, and the code each reports.
+
+    A rule whose kind is not in ``codes`` is not applied. An integer literal past
+    ``max_integer`` either way is kept out of the tree as an
+    :class:`OutOfRangeInteger` marker, a violation only where INTEGER_RANGE applies.
+    """
+
+    codes: Mapping[str, str]
+    max_integer: int
+
+
+MANIFEST = Dialect(
+    codes={
+        DUPLICATE_KEY: "JSON_DUPLICATE_KEY",
+        NONFINITE: "JSON_NONFINITE_NUMBER",
+        INTEGER_RANGE: "JSON_INTEGER_OUT_OF_RANGE",
+        CONTROL: "JSON_CONTROL_CHARACTER",
+        LONE_SURROGATE: "JSON_LONE_SURROGATE",
+        TOO_DEEP: "MANIFEST_TOO_DEEP",
+    },
+    max_integer=MAX_SAFE_INTEGER,
+)
 
 _SAFE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -55,51 +117,168 @@ class NonFiniteNumber:
 
 @dataclass(frozen=True, slots=True)
 class OutOfRangeInteger:
-    """Marker for an integer literal outside the safe range."""
+    """Marker for an integer literal past the dialect's ``max_integer``."""
 
     text: str
 
 
 class ObjectWithDuplicates(dict[str, Any]):
-    """A parsed object that repeated keys; the first value of each key is kept."""
+    """A parsed object that repeated keys: the first value of each key is kept,
+    ``pairs`` holds every pair in document order."""
 
     duplicates: tuple[str, ...] = ()
+    pairs: tuple[tuple[str, Any], ...] = ()
 
 
-def _object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+def pairs_of(obj: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """Every key/value pair of a parsed object as the text has them, repeats included."""
+    return obj.pairs if isinstance(obj, ObjectWithDuplicates) else obj.items()
+
+
+def _with_duplicates(pairs: list[tuple[str, Any]]) -> ObjectWithDuplicates:
+    result = ObjectWithDuplicates()
     repeated: list[str] = []
     for key, value in pairs:
         if key in result:
             repeated.append(key)
         else:
             result[key] = value
-    if not repeated:
-        return result
-    marked = ObjectWithDuplicates(result)
-    marked.duplicates = tuple(repeated)
-    return marked
+    result.duplicates = tuple(repeated)
+    result.pairs = tuple(pairs)
+    return result
 
 
-def _parse_int(text: str) -> int | OutOfRangeInteger:
-    # Length first: int() of a huge literal is slow and raises past 4300 digits.
-    if len(text) > 20:
-        return OutOfRangeInteger(text)
-    value = int(text)
-    return value if abs(value) <= MAX_SAFE_INTEGER else OutOfRangeInteger(text)
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A document as the reader left it.
+
+    ``violations`` are the lexical ones, ``where`` being the JSON path, in document
+    order. ``floats`` are the values of every float literal (``-0`` included),
+    which lets :func:`canonical_json` take its fast path.
+    """
+
+    value: Any
+    violations: tuple[Violation, ...]
+    floats: tuple[float, ...]
 
 
-def _parse_float(text: str) -> float | NonFiniteNumber:
-    value = float(text)
-    return value if math.isfinite(value) else NonFiniteNumber(text)
+def parse_json(raw: bytes, dialect: Dialect) -> Parsed:
+    """Parse UTF-8 JSON text strictly under ``dialect``.
+
+    Raises UnicodeDecodeError, json.JSONDecodeError (malformed text) and
+    RecursionError (nesting too deep for the parser); the caller words them.
+    """
+    text = raw.decode("utf-8")
+    floats: list[float] = []
+    flagged: list[bool] = []  # a hook left a marker or met a repeated key
+    limit = dialect.max_integer
+
+    def parse_int(literal: str) -> int | float | OutOfRangeInteger:
+        # 15 characters hold no integer past 2^53: the common case costs one int().
+        if len(literal) < 16:
+            if literal == "-0":  # the float negative zero, not the integer 0
+                floats.append(-0.0)
+                return -0.0
+            return int(literal)
+        # Length first: int() of a huge literal is slow and raises past 4300 digits.
+        value = int(literal) if len(literal) <= 21 else None
+        if value is None or abs(value) > limit:
+            flagged.append(True)
+            return OutOfRangeInteger(literal)
+        return value
+
+    def parse_float(literal: str) -> float | NonFiniteNumber:
+        value = float(literal)
+        if math.isfinite(value):
+            floats.append(value)
+            return value
+        flagged.append(True)
+        return NonFiniteNumber(literal)
+
+    def parse_constant(literal: str) -> NonFiniteNumber:
+        flagged.append(True)
+        return NonFiniteNumber(literal)
+
+    def object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        flagged.append(True)
+        return _with_duplicates(pairs)
+
+    decoder = json.JSONDecoder(
+        object_pairs_hook=object_pairs,
+        parse_int=parse_int,
+        parse_float=parse_float,
+        parse_constant=parse_constant,
+    )
+    value = decoder.decode(text)
+    violations: list[Violation] = []
+    if flagged or _may_break_rules(raw, dialect):
+        _walk(value, "$", 0, dialect, violations)
+    return Parsed(value, tuple(violations), tuple(floats))
 
 
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_object_pairs,
-    parse_int=_parse_int,
-    parse_float=_parse_float,
-    parse_constant=NonFiniteNumber,
-)
+# ------------------------------------------------------------------- screens
+#
+# Each screen may answer "maybe" for a clean text (then the walk finds nothing);
+# none may answer "clean" for a text the walk would fault.
+
+# Escapes that can spell a C0, DEL or C1 control character (and some that cannot).
+_CONTROL_ESCAPE = re.compile(rb"\\(?:[bfnrt]|u00[01789])")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_C1_UTF8 = re.compile(rb"\xc2[\x80-\x9f]")  # U+0080..U+009F encoded
+_ANY_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+# From an aligned position: brackets and empty strings, then one string holding
+# brackets. Possessive, so a failed match costs one pass, not a backtrack.
+_BRACKETS_IN_STRING = re.compile(rb'((?:[^"]*+"")*+[^"]*+)"[^"]++"')
+
+
+def _may_break_rules(raw: bytes, dialect: Dialect) -> bool:
+    """Whether a string or the nesting might break one of the dialect's rules."""
+    codes = dialect.codes
+    if b"\\" in raw:
+        if CONTROL in codes and _CONTROL_ESCAPE.search(raw):
+            return True
+        if LONE_SURROGATE in codes and _SURROGATE_ESCAPE.search(raw):
+            return True
+    # A raw C0 character in a string is malformed JSON already; DEL and C1 are not.
+    if CONTROL in codes and (b"\x7f" in raw or (b"\xc2" in raw and _C1_UTF8.search(raw))):
+        return True
+    return TOO_DEEP in codes and _nesting_depth(raw, MAX_DEPTH) > MAX_DEPTH
+
+
+def _nesting_depth(raw: bytes, limit: int) -> int:
+    """The depth of the brackets outside strings in well-formed JSON text, or
+    ``limit + 1`` once it is known to pass ``limit``."""
+    text = _ANY_ESCAPE.sub(b"", raw) if b"\\" in raw else raw
+    structure = text.translate(None, _NOT_STRUCTURE)  # brackets and quotes left
+    kept: list[bytes] = []
+    pos = 0
+    while match := _BRACKETS_IN_STRING.match(structure, pos):
+        kept.append(match[1])
+        pos = match.end()
+    kept.append(structure[pos:])
+    # The parser matched every bracket with its own kind, so one kind will do.
+    brackets = b"".join(kept).translate(_SQUARE, b'"')
+    for depth in range(limit + 1):
+        if not brackets:
+            return depth
+        brackets = brackets.replace(b"[]", b"")  # one level: every innermost pair
+    return limit + 1
+
+
+# ---------------------------------------------------------------------- walk
+
+_CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f-\x9f]")  # category Cc
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # category Cs
+
+
+def has_control_character(text: str) -> bool:
+    """True for C0, DEL and C1 controls (category Cc)."""
+    return _CONTROL_CHARACTER.search(text) is not None
 
 
 def child_path(path: str, key: str | int) -> str:
@@ -111,90 +290,176 @@ def child_path(path: str, key: str | int) -> str:
     return f"{path}[{quote(key)}]"
 
 
-def has_control_character(text: str) -> bool:
-    """True for C0, DEL and C1 controls (category Cc)."""
-    return any(unicodedata.category(ch) == "Cc" for ch in text)
+def _string(text: str, path: str, what: str, dialect: Dialect, out: list[Violation]) -> None:
+    codes = dialect.codes
+    if CONTROL in codes and _CONTROL_CHARACTER.search(text):
+        out.append(Violation(codes[CONTROL], path, f"{what} has a control character"))
+    if LONE_SURROGATE in codes and _LONE_SURROGATE.search(text):
+        out.append(Violation(codes[LONE_SURROGATE], path, f"{what} has a lone surrogate escape"))
 
 
-def _string_violations(text: str, path: str, what: str) -> Iterator[Violation]:
-    if has_control_character(text):
-        yield Violation("JSON_CONTROL_CHARACTER", path, f"{what} has a control character")
-    if any(unicodedata.category(ch) == "Cs" for ch in text):
-        yield Violation("JSON_LONE_SURROGATE", path, f"{what} has a lone surrogate escape")
-
-
-def _walk(value: Any, path: str, depth: int) -> Iterator[Violation]:
-    if isinstance(value, dict):
+def _walk(value: Any, path: str, depth: int, dialect: Dialect, out: list[Violation]) -> None:
+    codes = dialect.codes
+    if isinstance(value, dict | list):
         depth += 1
-        if depth > MAX_DEPTH:
-            yield Violation("MANIFEST_TOO_DEEP", path, f"nesting passes {MAX_DEPTH} levels here")
+        if depth > MAX_DEPTH and TOO_DEEP in codes:
+            out.append(Violation(codes[TOO_DEEP], path, f"nesting passes {MAX_DEPTH} levels here"))
             return
-        for key in getattr(value, "duplicates", ()):
-            yield Violation(
-                "JSON_DUPLICATE_KEY", child_path(path, key), f"key {quote(key)} appears twice"
-            )
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                _walk(item, child_path(path, index), depth, dialect, out)
+            return
+        if DUPLICATE_KEY in codes:
+            for key in getattr(value, "duplicates", ()):
+                message = f"key {quote(key)} appears twice"
+                out.append(Violation(codes[DUPLICATE_KEY], child_path(path, key), message))
         for key, item in value.items():
-            yield from _string_violations(key, child_path(path, key), "key")
-            yield from _walk(item, child_path(path, key), depth)
-    elif isinstance(value, list):
-        depth += 1
-        if depth > MAX_DEPTH:
-            yield Violation("MANIFEST_TOO_DEEP", path, f"nesting passes {MAX_DEPTH} levels here")
-            return
-        for index, item in enumerate(value):
-            yield from _walk(item, child_path(path, index), depth)
+            _string(key, child_path(path, key), "key", dialect, out)
+            _walk(item, child_path(path, key), depth, dialect, out)
     elif isinstance(value, str):
-        yield from _string_violations(value, path, "string")
+        _string(value, path, "string", dialect, out)
     elif isinstance(value, NonFiniteNumber):
-        yield Violation(
-            "JSON_NONFINITE_NUMBER", path, f"{quote(value.text)} is not a finite number"
-        )
-    elif isinstance(value, OutOfRangeInteger):
-        yield Violation("JSON_INTEGER_OUT_OF_RANGE", path, "integer is outside +-(2^53 - 1)")
+        if NONFINITE in codes:
+            message = f"{quote(value.text)} is not a finite number"
+            out.append(Violation(codes[NONFINITE], path, message))
+    elif isinstance(value, OutOfRangeInteger) and INTEGER_RANGE in codes:
+        message = f"integer is outside +-({power_of_two_text(dialect.max_integer)})"
+        out.append(Violation(codes[INTEGER_RANGE], path, message))
 
 
-def lexical_violations(value: Any) -> list[Violation]:
-    """Every lexical violation left as a marker in a parsed tree, in document order."""
-    return list(_walk(value, "$", 0))
+def lexical_violations(value: Any, dialect: Dialect = MANIFEST) -> list[Violation]:
+    """Every lexical violation in a parsed tree, in document order (walks it all)."""
+    out: list[Violation] = []
+    _walk(value, "$", 0, dialect, out)
+    return out
 
 
-def load_manifest_bytes(raw: bytes) -> dict[str, Any]:
-    """Parse manifest bytes strictly; raise EvidenceRejected listing every lexical violation.
+# ------------------------------------------------------------------ manifest
 
-    The result is a plain tree of dict, list, str, int, float, bool and None.
+_MANIFEST = "manifest.json"
+
+
+def _manifest_rejected(code: str, message: str) -> EvidenceRejected:
+    return EvidenceRejected([Violation(code, _MANIFEST, message)])
+
+
+def load_manifest(raw: bytes) -> Parsed:
+    """Parse manifest bytes strictly; raise EvidenceRejected listing every lexical
+    violation. The value is a plain tree of dict, list, str, int, float, bool, None.
     """
     if raw.startswith(b"\xef\xbb\xbf"):
-        raise EvidenceRejected(
-            [Violation("MANIFEST_NOT_UTF8", "manifest.json", "starts with a UTF-8 byte-order mark")]
-        )
+        raise _manifest_rejected("MANIFEST_NOT_UTF8", "starts with a UTF-8 byte-order mark")
     try:
-        text = raw.decode("utf-8")
+        parsed = parse_json(raw, MANIFEST)
     except UnicodeDecodeError as err:
-        raise EvidenceRejected(
-            [Violation("MANIFEST_NOT_UTF8", "manifest.json", f"invalid UTF-8 at byte {err.start}")]
+        raise _manifest_rejected(
+            "MANIFEST_NOT_UTF8", f"invalid UTF-8 at byte {err.start}"
         ) from None
-    try:
-        value = _DECODER.decode(text)
     except json.JSONDecodeError as err:
-        raise EvidenceRejected(
-            [
-                Violation(
-                    "MANIFEST_INVALID_JSON",
-                    "manifest.json",
-                    f"{err.msg} at line {err.lineno} column {err.colno}",
-                )
-            ]
-        ) from None
+        message = f"{err.msg} at line {err.lineno} column {err.colno}"
+        if _ends_inside_a_value(raw):
+            message += (
+                "; the file ends before its JSON does: it may be truncated or still being written"
+            )
+        raise _manifest_rejected("MANIFEST_INVALID_JSON", message) from None
     except RecursionError:
-        raise EvidenceRejected(
-            [Violation("MANIFEST_TOO_DEEP", "manifest.json", f"nesting passes {MAX_DEPTH} levels")]
+        raise _manifest_rejected(
+            "MANIFEST_TOO_DEEP", f"nesting passes {MAX_DEPTH} levels"
         ) from None
-    violations = lexical_violations(value)
-    if not isinstance(value, dict):
+    violations = list(parsed.violations)
+    if not isinstance(parsed.value, dict):
         violations.insert(
             0, Violation("MANIFEST_NOT_OBJECT", "$", "the manifest must be one JSON object")
         )
     if violations:
         raise EvidenceRejected(violations)
-    assert isinstance(value, dict)
+    return parsed
+
+
+def load_manifest_bytes(raw: bytes) -> dict[str, Any]:
+    """The tree of :func:`load_manifest`."""
+    value: dict[str, Any] = load_manifest(raw).value
     return value
+
+
+def _ends_inside_a_value(raw: bytes) -> bool:
+    """Whether malformed text stops inside a string, object or array, as a file
+    cut short (or read while it is written) does."""
+    text = raw.rstrip()
+    if not text:
+        return True
+    text = _ANY_ESCAPE.sub(b"", text) if b"\\" in text else text
+    if text.endswith(b"\\") or text.count(b'"') % 2:
+        return True  # inside a string
+    outside = b"".join(text.split(b'"')[0::2])
+    opened = outside.count(b"[") + outside.count(b"{")
+    return opened > outside.count(b"]") + outside.count(b"}")
+
+
+# ------------------------------------------------------------ canonical form
+
+_ASTRAL_UTF8 = re.compile(rb"[\xf0-\xf4]")  # a lead byte of a character past U+FFFF
+_NUMBER_END = rb"(?=[,\]}])"
+
+
+def canonical_json(value: Any, floats: Iterable[float] | None = None) -> bytes:
+    """The RFC 8785 (JCS) form of ``value``, byte for byte what ``rfc8785.dumps`` gives.
+
+    ``floats``, when given, are every float ``value`` holds (a :class:`Parsed`
+    tree's ``floats``); then ``orjson`` writes the form when it provably gives the
+    same bytes, and ``rfc8785`` (pure Python) only when it cannot be sure.
+    """
+    if floats is not None:
+        fast = _canonical_fast(value, floats)
+        if fast is not None:
+            return fast
+    canonical: bytes = rfc8785.dumps(value)
+    return canonical
+
+
+def _canonical_fast(value: Any, floats: Iterable[float]) -> bytes | None:
+    """orjson's sorted compact form with its float tokens rewritten, or None.
+
+    For JSON values orjson writes what JCS writes (same escapes, no spaces, the
+    integers of the safe range alike; tests/test_canonical.py checks it) except in
+    two places: it orders keys by code point where JCS orders them by UTF-16 code
+    unit, which differs only for characters past U+FFFF (then: None), and it
+    spells floats its own way (``2.0``, ``1e+16``). Each float's token is found
+    where only a number can stand (after ``:``, ``,`` or ``[`` and before ``,``,
+    ``]`` or ``}``) and rewritten, once the count found there equals the count of
+    floats spelled so: a string holding such text would add to the count.
+    """
+    try:
+        out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER)
+    except (orjson.JSONEncodeError, TypeError):
+        return None
+    if not out.isascii() and _ASTRAL_UTF8.search(out):
+        return None
+    floats = list(floats)
+    if not floats:
+        return out
+    tokens = Counter(orjson.dumps(floats)[1:-1].split(b","))
+    edits: list[tuple[int, int, bytes]] = []
+    for token, count in tokens.items():
+        canonical: bytes = rfc8785.dumps(float(token))
+        if canonical == token:
+            continue
+        found = [
+            m.start()
+            for m in re.finditer(re.escape(token) + _NUMBER_END, out)
+            if m.start() > 0 and out[m.start() - 1] in b":,["
+        ]
+        if len(found) != count:
+            return None
+        edits.extend((start, start + len(token), canonical) for start in found)
+    return _apply(out, sorted(edits)) if edits else out
+
+
+def _apply(out: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
+    parts: list[bytes] = []
+    done = 0
+    for start, end, replacement in edits:
+        parts += (out[done:start], replacement)
+        done = end
+    parts.append(out[done:])
+    return b"".join(parts)

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 import nanrunbook
 import nanrunbook.capture
+import nanrunbook.telemetry
 from nanrunbook import EvidenceRejected, check_bundle, report_document
 from nanrunbook._version import __version__
 from nanrunbook.cli import app
@@ -522,10 +523,15 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
-    # capture.torch and capture.mechanisms need torch to import; read their
-    # __all__ from the source instead.
-    for module in ("torch", "mechanisms"):
-        tree = ast.parse((ROOT / "nanrunbook" / "capture" / f"{module}.py").read_text())
+    public |= {f"nanrunbook.telemetry.{name}" for name in nanrunbook.telemetry.__all__}
+    # capture.torch (a package) and capture.mechanisms need torch to import; read
+    # their __all__ from the source instead.
+    sources = {
+        "torch": ROOT / "nanrunbook" / "capture" / "torch" / "__init__.py",
+        "mechanisms": ROOT / "nanrunbook" / "capture" / "mechanisms.py",
+    }
+    for module, source in sources.items():
+        tree = ast.parse(source.read_text())
         for node in tree.body:
             if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets

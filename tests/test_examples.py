@@ -25,6 +25,7 @@ EXPECTED = {
         "grad/0.weight",
         "hold-and-inspect-gradient-path-and-loss-scaling",
     ),
+    "sentinel_warmup_blowup.py": ("loss", "loss", "hold-and-inspect-objective-reduction"),
 }
 
 
@@ -44,8 +45,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
 
     def get(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         if name not in done:
-            bundle = tmp_path_factory.mktemp(name.removesuffix(".py")) / "bundle"
-            done[name] = (run(str(EXAMPLES / name), "--out", str(bundle)), bundle)
+            out = tmp_path_factory.mktemp(name.removesuffix(".py")) / "bundle"
+            ran = run(str(EXAMPLES / name), "--out", str(out))
+            # The sentinel's example is given its incident directory; every example
+            # prints where its bundle is.
+            printed = [line for line in ran.stdout.splitlines() if line.startswith("bundle: ")]
+            bundle = Path(printed[-1].removeprefix("bundle: ")) if printed else out
+            done[name] = (ran, bundle)
         return done[name]
 
     return get
@@ -116,6 +122,16 @@ def test_sqrt_zero_example_holds_at_backward_under_a_finite_loss(ran: Ran) -> No
     assert loss["counts"]["finite"] == loss["counts"]["elements"] == 1
     assert backward["counts"]["nan"] == backward["counts"]["elements"]  # every gradient
     assert optimizer["counts"]["nan"] > 0  # the update the real step would have applied
+
+
+def test_sentinel_example_warns_before_it_holds(ran: Ran) -> None:
+    done, bundle = ran("sentinel_warmup_blowup.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "GRAD_NORM_SPIKE" in done.stderr  # the log, before the hold
+    [summary] = [line for line in done.stdout.splitlines() if line.startswith("telemetry:")]
+    first_warning, held = (int(n) for n in re.findall(r"step (\d+)", summary))
+    assert first_warning < held
+    assert bundle.name == str(held) and bundle.parent.name == "example-warmup-blowup"
 
 
 def test_fp16_example_warns_that_the_input_is_beyond_the_compute_dtype(ran: Ran) -> None:

@@ -283,7 +283,9 @@ def _no_constant(text: str) -> Any:
     raise Reject(f"literal {text}")
 
 
-def _safe_int(text: str) -> int:
+def _safe_int(text: str) -> int | float:
+    if text == "-0":
+        return -0.0  # spec section 1 and 2: -0 is not an integer
     need(len(text) <= 17, "integer literal too long")
     value = int(text)
     need(abs(value) <= SAFE_MAX, "integer out of the safe range")
@@ -306,6 +308,19 @@ def _lexical(value: Any, depth: int) -> None:
             _lexical(item, depth + 1)
     elif isinstance(value, str):
         _text_ok(value)
+
+
+def _no_lone_surrogate(value: Any) -> None:
+    """Spec section 1: a header is parsed as strictly as the manifest."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            need(not SURROGATE.search(key), "lone surrogate in a header")
+            _no_lone_surrogate(item)
+    elif isinstance(value, list):
+        for item in value:
+            _no_lone_surrogate(item)
+    elif isinstance(value, str):
+        need(not SURROGATE.search(value), "lone surrogate in a header")
 
 
 def _text_ok(text: str) -> None:
@@ -516,11 +531,15 @@ def _read_header(raw: bytes) -> tuple[dict[str, tuple[str, list[int], int, int]]
     need(text.startswith("{") and text.rstrip(" ").endswith("}"), "header framing")
     try:
         header = json.loads(
-            text.rstrip(" "), object_pairs_hook=_strict_pairs, parse_constant=_no_constant
+            text.rstrip(" "),
+            object_pairs_hook=_strict_pairs,
+            parse_constant=_no_constant,
+            parse_int=lambda literal: -0.0 if literal == "-0" else int(literal),
         )
     except (ValueError, RecursionError) as err:
         raise Reject(f"header JSON: {type(err).__name__}") from None
     need(type(header) is dict, "header not an object")
+    _no_lone_surrogate(header)
     entries: dict[str, tuple[str, list[int], int, int]] = {}
     for name, value in header.items():
         if name == "__metadata__":

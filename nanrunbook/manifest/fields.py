@@ -11,14 +11,18 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+from nanrunbook.contract import (
+    IDENTIFIER_MAX_CHARS,
+    IDENTIFIER_PATTERN,
+    MAX_FREE_TEXT,
+    MAX_TENSOR_NAME,
+)
 from nanrunbook.errors import Violation, quote
 from nanrunbook.strictjson import child_path
 
-__all__ = ["CODES", "IDENTIFIER", "Fields", "Sink"]
+__all__ = ["CODES", "IDENTIFIER", "MAX_FREE_TEXT", "MAX_TENSOR_NAME", "Fields", "Sink"]
 
-IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,255}")
-MAX_FREE_TEXT = 1024
-MAX_TENSOR_NAME = 256
+IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
 
 CODES = {
     "FIELD_MISSING": "a required field is absent",
@@ -26,9 +30,11 @@ CODES = {
     "FIELD_TYPE": "a field has the wrong JSON type (a boolean is not a number, 3.0 is not an integer)",
     "FIELD_OUT_OF_RANGE": "a number is outside the range its field allows",
     "VALUE_NOT_ALLOWED": "a field holds a value outside its fixed set of choices",
-    "IDENTIFIER_INVALID": "an identifier does not match ^[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,255}$",
-    "TEXT_INVALID": "free text is not printable or is longer than 1,024 characters",
-    "TENSOR_NAME_INVALID": "a tensor name is not printable or not 1 to 256 characters long",
+    "IDENTIFIER_INVALID": f"an identifier does not match ^{IDENTIFIER_PATTERN}$",
+    "TEXT_INVALID": f"free text is not printable or is longer than {MAX_FREE_TEXT:,} characters",
+    "TENSOR_NAME_INVALID": (
+        f"a tensor name is not printable or not 1 to {MAX_TENSOR_NAME} characters long"
+    ),
 }
 
 
@@ -130,7 +136,8 @@ class Fields:
             self.sink.add(
                 "IDENTIFIER_INVALID",
                 self.at(key),
-                f"{quote(value)} is not an identifier (letters, digits, ._:@/+=-, at most 256)",
+                f"{quote(value)} is not an identifier (letters, digits, ._:@/+=-,"
+                f" at most {IDENTIFIER_MAX_CHARS})",
             )
             return None
         return value

@@ -8,28 +8,30 @@ parser and the decision, which revalidates the records it is handed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Protocol
 
-from nanrunbook.contract import Caps
+from nanrunbook.contract import SCALE_MAX, SCALE_MAX_EXPONENT, SCALE_MIN, SCALE_MIN_EXPONENT, Caps
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import Violation, quote
 from nanrunbook.manifest.fields import is_integer
-from nanrunbook.records import STAGE_ORDER, Counts, Scaler, StageRecord
+from nanrunbook.records import STAGE_ORDER, Counts, Scaler, StageRecord, TensorEntry
 
 __all__ = [
     "CODES",
     "caps_violations",
     "counts_violations",
-    "scaler_stage_violations",
+    "found_inf_violations",
+    "scaled_gradients_violations",
     "scaler_violations",
     "sequence_violations",
     "stage_set_violations",
     "stage_violations",
 ]
 
-SCALE_MIN = 2.0**-24
-SCALE_MAX = 2.0**24
+SAFE_SCALES = f"a power of two within [2^{SCALE_MIN_EXPONENT}, 2^{SCALE_MAX_EXPONENT}]"
 
 CODES = {
     "LAST_KNOWN_GOOD_NOT_BEFORE_RUN": "last_known_good.step is not below run.step",
@@ -52,7 +54,7 @@ CODES = {
     "element, or the reverse",
     "GRADIENTS_SCALED_WITHOUT_SCALER": "gradients are scaled but the scaler mode is none",
     "SCALER_SCALE_NOT_ONE": "scaler mode none with a scale other than 1",
-    "SCALER_SCALE_UNSAFE": "scale is not a power of two within [2^-24, 2^24]",
+    "SCALER_SCALE_UNSAFE": f"scale is not {SAFE_SCALES}",
     "SCALER_FACTOR_INVALID": "growth_factor is not > 1 or backoff_factor is not in (0, 1)",
     "SCALER_TRANSITION_INVALID": "found_inf, step_skipped and scale_after do not agree",
     "SCALER_FOUND_INF_MISMATCH": "found_inf disagrees with whether the backward stage has a "
@@ -149,7 +151,8 @@ def stage_violations(record: StageRecord, path: str) -> list[Violation]:
         return []
     counts = record.counts
     found = counts_violations(counts, f"{path}.counts")
-    expected = sum(t.elements for t in record.tensors)
+    by_dtype = elements_by_dtype(record.tensors)
+    expected = sum(by_dtype.values())
     if counts.elements != expected:
         if record.resolution == "summary" and counts.elements < expected:
             found.append(
@@ -169,18 +172,39 @@ def stage_violations(record: StageRecord, path: str) -> list[Violation]:
                 )
             )
     elif not found:
-        found.extend(_impossible_counts(record, f"{path}.counts"))
-    found.extend(_finite_max_abs_violations(record, f"{path}.finite_max_abs"))
+        found.extend(_impossible_counts(counts, by_dtype, f"{path}.counts"))
+    found.extend(_finite_max_abs_violations(record, by_dtype, f"{path}.finite_max_abs"))
     return found
 
 
-def _impossible_counts(record: StageRecord, path: str) -> list[Violation]:
+_DTYPE = attrgetter("dtype")
+
+
+def _names(stage: StageRecord) -> Iterable[str]:
+    return map(_NAME, stage.tensors)
+
+
+_NAME = attrgetter("name")
+_ELEMENTS = attrgetter("elements")
+
+
+def elements_by_dtype(tensors: Sequence[TensorEntry]) -> dict[str, int]:
+    """How many elements the entries hold, per dtype: one pass serves every sum."""
+    dtypes = list(map(_DTYPE, tensors))
+    counts = list(map(_ELEMENTS, tensors))
+    if len(set(dtypes)) == 1:  # the common stage: one dtype
+        return {dtypes[0]: sum(counts)}
+    totals: dict[str, int] = {}
+    for dtype, count in zip(dtypes, counts, strict=True):
+        totals[dtype] = totals.get(dtype, 0) + count
+    return totals
+
+
+def _impossible_counts(counts: Counts, by_dtype: Mapping[str, int], path: str) -> list[Violation]:
     """Non-finite counts that no data of the stage's dtypes could give (an integer has
     no NaN, F8_E4M3 no infinity): a summary is only declared, so this is its check."""
-    counts = record.counts
-    assert counts is not None
-    can_nan = sum(t.elements for t in record.tensors if DTYPES[t.dtype].has_nonfinite)
-    can_inf = sum(t.elements for t in record.tensors if DTYPES[t.dtype].has_infinity)
+    can_nan = sum(n for dtype, n in by_dtype.items() if DTYPES[dtype].has_nonfinite)
+    can_inf = sum(n for dtype, n in by_dtype.items() if DTYPES[dtype].has_infinity)
     if counts.nonfinite > can_nan:
         return [
             Violation(
@@ -202,14 +226,16 @@ def _impossible_counts(record: StageRecord, path: str) -> list[Violation]:
     return []
 
 
-def _finite_max_abs_violations(record: StageRecord, path: str) -> list[Violation]:
+def _finite_max_abs_violations(
+    record: StageRecord, by_dtype: Mapping[str, int], path: str
+) -> list[Violation]:
     if not record.finite_max_abs_declared or record.counts is None:
         return []
     value = record.finite_max_abs
-    floating = [t for t in record.tensors if DTYPES[t.dtype].floating]
-    float_elements = sum(t.elements for t in floating)
-    always_finite = sum(t.elements for t in floating if not DTYPES[t.dtype].has_nonfinite)
-    other_elements = sum(t.elements for t in record.tensors) - float_elements
+    floating = {dtype: n for dtype, n in by_dtype.items() if DTYPES[dtype].floating}
+    float_elements = sum(floating.values())
+    always_finite = sum(n for dtype, n in floating.items() if not DTYPES[dtype].has_nonfinite)
+    other_elements = sum(by_dtype.values()) - float_elements
     # Bounds on how many finite elements are floating, from the declared counts alone.
     least = max(always_finite, record.counts.finite - other_elements)
     most = min(record.counts.finite, float_elements)
@@ -233,7 +259,7 @@ def _finite_max_abs_violations(record: StageRecord, path: str) -> list[Violation
         ]
     if value < 0:
         return [Violation("FINITE_MAX_ABS_INVALID", path, "a magnitude is >= 0")]
-    ceiling = max(DTYPES[t.dtype].max_finite or 0.0 for t in floating)
+    ceiling = max(DTYPES[dtype].max_finite or 0.0 for dtype in floating)
     if value > ceiling:
         return [
             Violation(
@@ -257,6 +283,8 @@ def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
     telemetry: set[str] = set()
     tensor_sets: set[str] = set()
     names: set[str] = set()
+    every_name = list(chain.from_iterable(map(_names, stages)))
+    repeats = len(set(every_name)) < len(every_name)  # else no entry to look for
     for index, stage in enumerate(stages):
         where = f"{path}[{index}]"
         if stage.telemetry_id in telemetry:
@@ -273,7 +301,7 @@ def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
                 "already used by an earlier stage",
             )
         tensor_sets.add(stage.tensor_set_id)
-        for position, tensor in enumerate(stage.tensors):
+        for position, tensor in enumerate(stage.tensors if repeats else ()):
             if tensor.name in names:
                 yield Violation(
                     "TENSOR_NAME_DUPLICATE",
@@ -297,7 +325,7 @@ def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> lis
                 )
             )
         elements = max(
-            sum(t.elements for t in stage.tensors),
+            sum(map(_ELEMENTS, stage.tensors)),
             stage.counts.elements if stage.counts is not None else 0,
         )
         if elements > caps.max_stage_elements:
@@ -318,101 +346,96 @@ def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> lis
     return found
 
 
-def _power_of_two(value: float) -> bool:
-    return math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
+def _safe_scale(value: float) -> bool:
+    power_of_two = math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
+    return power_of_two and SCALE_MIN <= value <= SCALE_MAX
 
 
 def scaler_violations(scaler: Scaler, path: str) -> list[Violation]:
-    found: list[Violation] = []
+    """The scaler record on its own: the scale, the factors, the dynamic transition."""
     scale = scaler.scale
     if scaler.mode == "none":
-        if scale != 1:
-            found.append(
-                Violation("SCALER_SCALE_NOT_ONE", f"{path}.scale", "mode none requires scale 1")
-            )
-        return found
-    if not (_power_of_two(scale) and SCALE_MIN <= scale <= SCALE_MAX):
-        found.append(
-            Violation(
-                "SCALER_SCALE_UNSAFE",
-                f"{path}.scale",
-                f"{scale!r} is not a power of two within [2^-24, 2^24]",
-            )
-        )
+        if scale == 1:
+            return []
+        return [Violation("SCALER_SCALE_NOT_ONE", f"{path}.scale", "mode none requires scale 1")]
+    found: list[Violation] = []
+    if not _safe_scale(scale):
+        message = f"{scale!r} is not {SAFE_SCALES}"
+        found.append(Violation("SCALER_SCALE_UNSAFE", f"{path}.scale", message))
     if scaler.mode != "dynamic":
         return found
-    growth, backoff, after = scaler.growth_factor, scaler.backoff_factor, scaler.scale_after
-    assert growth is not None and backoff is not None and after is not None
-    if not growth > 1:
+    assert scaler.growth_factor is not None and scaler.backoff_factor is not None
+    if not scaler.growth_factor > 1:
         found.append(Violation("SCALER_FACTOR_INVALID", f"{path}.growth_factor", "must be > 1"))
-    if not 0 < backoff < 1:
+    if not 0 < scaler.backoff_factor < 1:
         found.append(
             Violation("SCALER_FACTOR_INVALID", f"{path}.backoff_factor", "must be in (0, 1)")
         )
-    if scaler.found_inf:
-        if not scaler.step_skipped:
-            found.append(
-                Violation(
-                    "SCALER_TRANSITION_INVALID",
-                    f"{path}.step_skipped",
-                    "found_inf means the optimizer step was skipped",
-                )
-            )
-        if after != scale * backoff:
-            found.append(
-                Violation(
-                    "SCALER_TRANSITION_INVALID",
-                    f"{path}.scale_after",
-                    f"found_inf means scale_after = scale * backoff_factor = {scale * backoff!r}",
-                )
-            )
-    else:
-        if scaler.step_skipped:
-            found.append(
-                Violation(
-                    "SCALER_TRANSITION_INVALID",
-                    f"{path}.step_skipped",
-                    "no inf found, so the step was not skipped",
-                )
-            )
-        if after not in (scale, scale * growth):
-            found.append(
-                Violation(
-                    "SCALER_TRANSITION_INVALID",
-                    f"{path}.scale_after",
-                    f"with no inf found scale_after is {scale!r} or {scale * growth!r}",
-                )
-            )
+    found.extend(_transition_violations(scaler, path))
     return found
 
 
-def scaler_stage_violations(
-    scaler: Scaler, stages: Sequence[StageLike], path: str, *, gradients: str | None
-) -> list[Violation]:
-    """Loss-scale evidence against the stages: scaled gradients, found_inf agreement."""
+def _transition_violations(scaler: Scaler, path: str) -> list[Violation]:
+    """found_inf, step_skipped and scale_after against one another (mode dynamic)."""
+    scale, growth, backoff = scaler.scale, scaler.growth_factor, scaler.backoff_factor
+    assert growth is not None and backoff is not None
     found: list[Violation] = []
-    if gradients == "scaled" and scaler.mode == "none":
-        found.append(
-            Violation(
-                "GRADIENTS_SCALED_WITHOUT_SCALER",
-                f"{path}.stages[{STAGE_ORDER.index('backward')}].gradients",
-                "scaled gradients need scaler mode static or dynamic",
-            )
+    if scaler.step_skipped != scaler.found_inf:
+        message = (
+            "found_inf means the optimizer step was skipped"
+            if scaler.found_inf
+            else "no inf found, so the step was not skipped"
         )
-    backward = next((s for s in stages if s.stage == "backward"), None)
-    if (
-        scaler.mode == "dynamic"
-        and backward is not None
-        and backward.status == "OBSERVED"
-        and scaler.found_inf != _nonfinite(backward)
-    ):
-        captured = "non-finite" if _nonfinite(backward) else "all finite"
-        found.append(
-            Violation(
-                "SCALER_FOUND_INF_MISMATCH",
-                f"{path}.binding.scaler.found_inf",
-                f"found_inf is {str(scaler.found_inf).lower()} but the captured gradients are "
-                f"{captured}: the probe saw other values than the scaler",
-            )
-        )
+        found.append(Violation("SCALER_TRANSITION_INVALID", f"{path}.step_skipped", message))
+    if scaler.found_inf:
+        allowed = [scale * backoff]
+        rule, formula = "found_inf means scale_after =", "scale * backoff_factor"
+        shown = f"{formula} = {allowed[0]!r}"
+    else:
+        allowed = [scale, scale * growth]
+        rule, formula = "with no inf found scale_after is", "scale or scale * growth_factor"
+        shown = f"{allowed[0]!r} or {allowed[1]!r}"
+    if scaler.scale_after in allowed:
+        return found
+    if _safe_scale(scale):
+        message = f"{rule} {shown}"
+    else:  # values computed from an unsafe scale would read as advice: state the rule only
+        message = f"{rule} {formula}, but scale {scale!r} is itself not {SAFE_SCALES}"
+    found.append(Violation("SCALER_TRANSITION_INVALID", f"{path}.scale_after", message))
     return found
+
+
+def scaled_gradients_violations(
+    scaler: Scaler, gradients: str | None, path: str
+) -> list[Violation]:
+    """Scaled gradients need a scaler that scales."""
+    if gradients != "scaled" or scaler.mode != "none":
+        return []
+    return [
+        Violation(
+            "GRADIENTS_SCALED_WITHOUT_SCALER",
+            f"{path}.stages[{STAGE_ORDER.index('backward')}].gradients",
+            "scaled gradients need scaler mode static or dynamic",
+        )
+    ]
+
+
+def found_inf_violations(scaler: Scaler, stages: Sequence[StageLike], path: str) -> list[Violation]:
+    """The dynamic scaler's found_inf against whether the backward stage has a
+    non-finite element: on the declared counts when the manifest is read, on the
+    recounted ones after the data is read, and again in the decision."""
+    backward = next((s for s in stages if s.stage == "backward"), None)
+    if scaler.mode != "dynamic" or backward is None or backward.status != "OBSERVED":
+        return []
+    nonfinite = _nonfinite(backward)
+    if scaler.found_inf == nonfinite:
+        return []
+    captured = "have a non-finite element" if nonfinite else "are all finite"
+    return [
+        Violation(
+            "SCALER_FOUND_INF_MISMATCH",
+            f"{path}.binding.scaler.found_inf",
+            f"found_inf is {str(scaler.found_inf).lower()} but the captured gradients {captured};"
+            " the probe saw other values than the scaler did, or the manifest was edited",
+        )
+    ]

@@ -14,10 +14,14 @@ expresses in part); every other code is the contract's alone.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION
+from nanrunbook.contract import (
+    BUNDLE_FORMAT,
+    CONTRACT_VERSION,
+    SCALE_MAX_EXPONENT,
+    SCALE_MIN_EXPONENT,
+)
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.manifest.fields import IDENTIFIER, MAX_FREE_TEXT, MAX_TENSOR_NAME
 from nanrunbook.manifest.parse import (
@@ -32,7 +36,6 @@ from nanrunbook.manifest.parse import (
     TOP_LEVEL_FIELDS,
     TYPED_FIELDS,
 )
-from nanrunbook.manifest.rules import SCALE_MAX, SCALE_MIN
 from nanrunbook.records import STAGE_ORDER
 from nanrunbook.strictjson import MAX_SAFE_INTEGER
 
@@ -86,7 +89,7 @@ SCHEMA_CODES: frozenset[str] = frozenset(
 unless the code is also in :data:`PARTIAL_CODES`."""
 
 PARTIAL_CODES: dict[str, str] = {
-    "FIELD_TYPE": "JSON Schema's integer type also matches 3.0; check rejects it",
+    "FIELD_TYPE": "JSON Schema's integer type also matches 3.0 and -0; check rejects both",
     "TEXT_INVALID": "the schema rejects control characters only; check also rejects every "
     "other non-printable character (bidi overrides, format characters, non-ASCII spaces)",
     "TENSOR_NAME_INVALID": "as TEXT_INVALID: control characters only",
@@ -132,8 +135,7 @@ def _integer(minimum: int = 0) -> dict[str, Any]:
 
 def _powers_of_two() -> list[float]:
     """Every scale the contract allows outside mode none: 2^k within [SCALE_MIN, SCALE_MAX]."""
-    low, high = math.frexp(SCALE_MIN)[1] - 1, math.frexp(SCALE_MAX)[1] - 1
-    return [2.0**exponent for exponent in range(low, high + 1)]
+    return [2.0**k for k in range(SCALE_MIN_EXPONENT, SCALE_MAX_EXPONENT + 1)]
 
 
 def _binding_item(name: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["Renderer"]
 
@@ -62,3 +63,12 @@ class Renderer(ABC):
     @abstractmethod
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
         """Two bundles compared (``diff``), or the rejection of one side or both."""
+
+    @abstractmethod
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        """What a telemetry file says about the run (``watch``); ``plots`` asks
+        for the terminal plots where the format has them (text)."""
+
+    @abstractmethod
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        """One thing that happened while following a telemetry file (``watch --follow``)."""

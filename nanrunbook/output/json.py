@@ -21,6 +21,7 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["JsonRenderer", "json_text", "outcome_document"]
 
@@ -58,6 +59,18 @@ class JsonRenderer(Renderer):
             out.write(json_text(diff_rejection_document(result)))
         else:
             out.write(json_text(diff_document(result)))
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.telemetry.document import watch_document
+
+        out.write(json_text(watch_document(summary)))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.telemetry.document import event_document
+
+        # One compact object per line, flushed: a live stream for jq or a log shipper.
+        out.write(orjson.dumps(event_document(event)).decode() + "\n")
+        out.flush()
 
     def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
         out.write(json_text(set_document(result)))

@@ -28,6 +28,7 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["KvRenderer", "kv_set_where", "kv_where"]
 
@@ -195,3 +196,14 @@ class KvRenderer(Renderer):
             self.rejection(
                 judgement.rejection, judgement.bundle, judgement.contract_content_id, out
             )
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.output.watch_kv import summary_lines
+
+        _write(summary_lines(summary), out)
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.output.watch_kv import event_value
+
+        out.write(f"event={event_value(event)}\n")
+        out.flush()

@@ -33,6 +33,7 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["TextRenderer"]
 
@@ -265,6 +266,60 @@ class TextRenderer(Renderer):
             self.rejection(
                 judgement.rejection, judgement.bundle, judgement.contract_content_id, out
             )
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import STATUS_MEANING, summary_facts, summary_sections
+
+        console = self._console(out)
+        style = {"ALARM": "bold red", "WARNINGS": "bold yellow", "OK": "bold green"}
+        status = summary.status
+        console.print(
+            Text.assemble(
+                ("nanrunbook watch: ", "bold"),
+                (status, style.get(status, "bold")),
+                f" - {STATUS_MEANING[status]}",
+            )
+        )
+        facts = summary_facts(summary)
+        width = max(len(label) for label, _ in facts)
+        for label, value in facts:
+            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+        for heading, lines in summary_sections(summary):
+            console.print(Text(heading, style="bold"))
+            for line in lines:
+                console.print(Text("  " + line))
+        if plots and summary.series:
+            self._watch_plots(console, summary)
+
+    def _watch_plots(self, console: Any, summary: WatchSummary) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.panels import watch_marks, watch_panels
+        from nanrunbook.output.plots import terminal_plot
+
+        colour = console.color_system is not None
+        marks = watch_marks(summary)
+        if marks:
+            legend = "; ".join(mark.label for mark in marks)
+            console.print(Text(f"Vertical lines: {legend}", style="dim"))
+        for panel in watch_panels(summary):
+            console.print()
+            lines = terminal_plot(panel, marks, colour=colour)
+            console.print(Text(lines[0], style="bold"))
+            for line in lines[1:]:
+                console.print(Text.from_ansi(line) if colour else Text(line))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import event_line
+
+        style = {"hold": "bold red", "nonfinite": "bold red", "warning": "yellow"}
+        console = self._console(out)
+        console.print(Text(event_line(event), style=style.get(event.kind, "")))
+        out.flush()
 
 
 # ---------------------------------------------------------------- building blocks

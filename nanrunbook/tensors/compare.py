@@ -39,8 +39,9 @@ import numpy.typing as npt
 from nanrunbook.access import file_where, open_in_bundle
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
+from nanrunbook.records import element_count
 from nanrunbook.tensors.counting import code_values
-from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
+from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, U64_MAX, TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ShortRead, default_workers
 
 __all__ = [
@@ -444,10 +445,8 @@ def compare_tensors(
 
 
 def _nbytes(tensor: StoredTensor) -> int:
-    elements = 1
-    for dim in tensor.shape:
-        elements *= dim
-    nbytes = DTYPES[tensor.dtype].nbytes(elements)
+    elements = element_count(tensor.shape, U64_MAX)
+    nbytes = None if elements is None else DTYPES[tensor.dtype].nbytes(elements)
     assert nbytes is not None  # the check accepted the header
     return nbytes
 

@@ -13,26 +13,33 @@ Tensor names are untrusted: they appear only quoted in messages, never in ``wher
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import count, repeat
 from types import MappingProxyType
 from typing import Any
 
+from nanrunbook import strictjson
 from nanrunbook.access import file_where, os_error
+from nanrunbook.contract import TENSOR_HEADER_MAX_BYTES
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
+from nanrunbook.records import element_count, element_counts
+from nanrunbook.strictjson import Dialect, pairs_of, parse_json
 
 __all__ = [
     "CODES",
     "MAX_HEADER_LEN",
+    "U64_MAX",
     "HeaderEntry",
     "TensorFileHeader",
     "read_header",
 ]
 
-MAX_HEADER_LEN = 100_000_000
-_U64_MAX = 2**64 - 1
+MAX_HEADER_LEN = TENSOR_HEADER_MAX_BYTES
+U64_MAX = 2**64 - 1  # the format's integers, and so the most elements a file can hold
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 _METADATA = "__metadata__"
 
@@ -43,7 +50,7 @@ CODES: dict[str, str] = {
     "HEADER_NOT_UTF8": "a safetensors header is not UTF-8",
     "HEADER_INVALID_JSON": (
         "a safetensors header is not one JSON object from '{' to '}' (space padding allowed),"
-        " uses NaN/Infinity, or nests too deep"
+        " uses NaN/Infinity, escapes a lone surrogate, or nests too deep"
     ),
     "HEADER_DUPLICATE_NAME": "a safetensors header names the same tensor twice",
     "HEADER_FIELD_UNKNOWN": "a tensor entry has a field other than dtype, shape, data_offsets",
@@ -85,44 +92,22 @@ class TensorFileHeader:
 
 # -------------------------------------------------------------------------- header
 
-
-class _Object:
-    """A parsed JSON object, every key/value pair kept in order (duplicates included)."""
-
-    __slots__ = ("pairs",)
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        self.pairs = pairs
-
-
-class _HugeInteger:
-    """An integer literal too long to be a u64 (kept out of ``int()``, which is slow)."""
-
-    __slots__ = ()
-
-
-class _NonFiniteLiteral(ValueError):
-    pass
-
-
-def _parse_int(text: str) -> int | _HugeInteger:
-    return _HugeInteger() if len(text.lstrip("-")) > 20 else int(text)
-
-
-def _parse_constant(text: str) -> Any:
-    raise _NonFiniteLiteral(text)
-
-
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_Object,
-    parse_int=_parse_int,
-    parse_constant=_parse_constant,
+# The strict reader's rules, each a malformed header here. Control characters
+# are not refused (the reference reader allows them; names are only shown
+# quoted), and repeated keys are worded below, where their meaning is known.
+HEADER_JSON = Dialect(
+    codes={
+        strictjson.NONFINITE: "HEADER_INVALID_JSON",
+        strictjson.LONE_SURROGATE: "HEADER_INVALID_JSON",
+        strictjson.TOO_DEEP: "HEADER_INVALID_JSON",
+    },
+    max_integer=U64_MAX,
 )
 
 
 def _is_u64(value: object) -> bool:
-    # bool is an int subclass; floats such as 2.0 are not integers either.
-    return type(value) is int and 0 <= value <= _U64_MAX
+    # bool is an int subclass; floats such as 2.0 (or -0) are not integers either.
+    return type(value) is int and 0 <= value <= U64_MAX
 
 
 def _read_exactly(fd: int, count: int, offset: int) -> bytes:
@@ -137,11 +122,12 @@ def _read_exactly(fd: int, count: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-@dataclass(slots=True)
-class _Range:
-    name: str
-    begin: int  # relative to the data area
-    end: int
+class _Refused(Exception):
+    """One header violation that ends the reading: (code, message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) -> TensorFileHeader:
@@ -154,17 +140,33 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     Raises EvidenceRejected listing every header violation found in the file.
     """
     where = file_where(relpath)  # names the file: messages do not repeat it
-
-    def fail(code: str, message: str) -> EvidenceRejected:
-        return EvidenceRejected([Violation(code, where, message)])
-
     try:
         size = os.fstat(fd).st_size
-        prefix = _read_exactly(fd, 8, 0) if size >= 8 else b""
+        header_len = _header_length(fd, size, max_header_len)
+        root = _parse_header(_header_bytes(fd, relpath, header_len))
+    except _Refused as refused:
+        raise EvidenceRejected([Violation(refused.code, where, str(refused))]) from None
     except OSError as err:
-        raise os_error(relpath, err, "reading its header length") from None
+        raise os_error(relpath, err, "reading its header") from None
+
+    violations: list[Violation] = []
+
+    def add(code: str, message: str) -> None:
+        violations.append(Violation(code, where, message))
+
+    data_start = 8 + header_len
+    entries = _check_entries(root, size - data_start, data_start, add)
+    if violations:
+        raise EvidenceRejected(violations)
+    return TensorFileHeader(
+        path=relpath, size=size, data_start=data_start, entries=MappingProxyType(entries)
+    )
+
+
+def _header_length(fd: int, size: int, max_header_len: int) -> int:
+    prefix = _read_exactly(fd, 8, 0) if size >= 8 else b""
     if len(prefix) < 8:
-        raise fail(
+        raise _Refused(
             "HEADER_LENGTH_INVALID",
             f"the file is {size} bytes, shorter than the 8-byte header length",
         )
@@ -182,182 +184,234 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     elif 8 + header_len > size:
         problem = f"header length {header_len} runs past the end of the {size}-byte file"
     if problem is not None:
-        raise fail("HEADER_LENGTH_INVALID", problem)
+        raise _Refused("HEADER_LENGTH_INVALID", problem)
+    return header_len
 
-    try:
-        raw = _read_exactly(fd, header_len, 8)
-    except OSError as err:
-        raise os_error(relpath, err, "reading its header") from None
+
+def _header_bytes(fd: int, relpath: str, header_len: int) -> bytes:
+    raw = _read_exactly(fd, header_len, 8)
     if len(raw) < header_len:
-        raise fail("HEADER_LENGTH_INVALID", "the file shrank while its header was read")
+        raise _Refused("HEADER_LENGTH_INVALID", "the file shrank while its header was read")
+    return raw
 
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    """The header object, read by the strict reader under :data:`HEADER_JSON`."""
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise fail(
-            "HEADER_NOT_UTF8", f"header is not UTF-8 (invalid byte at {err.start})"
-        ) from None
-    if not text.startswith("{"):
-        raise fail("HEADER_INVALID_JSON", "header does not start with '{'")
-    body = text.rstrip(" ")  # the reference writer pads with spaces, and only spaces
-    if not body.endswith("}"):
-        raise fail(
+        message = f"header is not UTF-8 (invalid byte at {err.start})"
+        raise _Refused("HEADER_NOT_UTF8", message) from None
+    if not raw.startswith(b"{"):
+        raise _Refused("HEADER_INVALID_JSON", "header does not start with '{'")
+    body = raw.rstrip(b" ")  # the reference writer pads with spaces, and only spaces
+    if not body.endswith(b"}"):
+        raise _Refused(
             "HEADER_INVALID_JSON", "header does not end with '}' followed only by space padding"
         )
     try:
-        parsed = _DECODER.decode(body)
-    except _NonFiniteLiteral as err:
-        raise fail("HEADER_INVALID_JSON", f"header uses the literal {quote(err)}") from None
+        parsed = parse_json(body, HEADER_JSON)
     except json.JSONDecodeError as err:
-        raise fail("HEADER_INVALID_JSON", f"{err.msg} at byte {err.pos} of the header") from None
+        message = f"{err.msg} at byte {err.pos} of the header"
+        raise _Refused("HEADER_INVALID_JSON", message) from None
     except RecursionError:
-        raise fail("HEADER_INVALID_JSON", "header nests too deep (a valid one is 3 deep)") from None
-    except ValueError as err:  # defensive: any other literal the decoder refuses
-        raise fail("HEADER_INVALID_JSON", f"header is not valid JSON ({quote(err)})") from None
-    if not isinstance(parsed, _Object):
-        raise fail("HEADER_INVALID_JSON", "header is not a JSON object")
+        message = "header nests too deep (a valid one is 3 deep)"
+        raise _Refused("HEADER_INVALID_JSON", message) from None
+    if parsed.violations:
+        first = parsed.violations[0]  # one is enough: the header is not JSON the format allows
+        raise _Refused(first.code, f"header {first.where}: {first.message}")
+    if not isinstance(parsed.value, dict):
+        raise _Refused("HEADER_INVALID_JSON", "header is not a JSON object")
+    return parsed.value
 
-    data_start = 8 + header_len
-    violations, entries = _check_entries(parsed, size - data_start, data_start, where)
-    if violations:
-        raise EvidenceRejected(violations)
-    return TensorFileHeader(
-        path=relpath, size=size, data_start=data_start, entries=MappingProxyType(entries)
-    )
+
+_Add = Callable[[str, str], None]
+# A tensor's byte range relative to the data area, with its header position
+# (to keep header order among equal ranges) and name.
+_Range = tuple[int, int, int, str]
 
 
 def _check_entries(
-    root: _Object, data_size: int, data_start: int, where: str
-) -> tuple[list[Violation], dict[str, HeaderEntry]]:
-    violations: list[Violation] = []
-
-    def add(code: str, message: str) -> None:
-        violations.append(Violation(code, where, message))
-
+    root: dict[str, Any], data_size: int, data_start: int, add: _Add
+) -> dict[str, HeaderEntry]:
+    """Every entry checked, and its range in the tiling; the well-formed ones returned."""
+    plain = _plain_entries(root, data_start)
+    if plain is not None:
+        if _METADATA in root:
+            _check_metadata(root[_METADATA], add)
+        _check_tiling(plain[1], data_size, data_start, True, add)
+        return plain[0]
     entries: dict[str, HeaderEntry] = {}
     ranges: list[_Range] = []
     names: set[str] = set()
     all_ranges_known = True
     seen_metadata = False
-    for name, value in root.pairs:
+    for index, (name, value) in enumerate(pairs_of(root)):
         if name == _METADATA:
             if seen_metadata:
                 add("HEADER_FIELD_INVALID", "__metadata__ appears twice")
             seen_metadata = True
             _check_metadata(value, add)
             continue
-        tensor = quote(name)
         if name in names:
-            add("HEADER_DUPLICATE_NAME", f"tensor {tensor} appears more than once")
+            add("HEADER_DUPLICATE_NAME", f"tensor {quote(name)} appears more than once")
         names.add(name)
-        if not isinstance(value, _Object):
-            add("HEADER_FIELD_INVALID", f"tensor {tensor}: entry is not an object")
+        begin, end, entry = _detailed_entry(name, value, data_start, add)
+        if begin is None or end is None:
             all_ranges_known = False
             continue
-        fields: dict[str, Any] = {}
-        for key, item in value.pairs:
-            if key not in _TENSOR_FIELDS:
-                add("HEADER_FIELD_UNKNOWN", f"tensor {tensor}: unknown field {quote(key)}")
-            elif key in fields:
-                add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} appears twice")
-            else:
-                fields[key] = item
-        for key in _TENSOR_FIELDS:
-            if key not in fields:
-                add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} is missing")
-
-        dtype = fields.get("dtype")
-        if "dtype" in fields and not isinstance(dtype, str):
-            add("HEADER_FIELD_INVALID", f"tensor {tensor}: dtype is not a string")
-            dtype = None
-        elif isinstance(dtype, str) and dtype not in DTYPES:
-            add("HEADER_DTYPE_UNKNOWN", f"tensor {tensor}: unknown dtype {quote(dtype)}")
-            dtype = None
-
-        shape = fields.get("shape")
-        if "shape" in fields and not (
-            isinstance(shape, list) and all(_is_u64(dim) for dim in shape)
-        ):
-            add(
-                "HEADER_FIELD_INVALID",
-                f"tensor {tensor}: shape is not a list of integers in [0, 2^64-1]",
-            )
-            shape = None
-
-        offsets = fields.get("data_offsets")
-        if "data_offsets" in fields and not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_u64(o) for o in offsets)
-            and offsets[0] <= offsets[1]
-        ):
-            add(
-                "HEADER_FIELD_INVALID",
-                f"tensor {tensor}: data_offsets is not two integers 0 <= begin <= end < 2^64",
-            )
-            offsets = None
-        if offsets is None:
-            all_ranges_known = False
-            continue
-        begin, end = offsets
-        ranges.append(_Range(name, begin, end))
-
-        if dtype is None or shape is None:
-            continue
-        elements = _element_count(shape)
-        expected = None if elements is None else DTYPES[dtype].nbytes(elements)
-        if elements is None:
-            add(
-                "HEADER_LENGTH_MISMATCH",
-                f"tensor {tensor}: byte range is {end - begin} bytes but {dtype}"
-                f" shape {quote(shape)} has more than 2^64 elements",
-            )
-        elif expected is None:
-            add(
-                "HEADER_SUBBYTE_ALIGNMENT",
-                f"tensor {tensor}: {elements} {dtype} elements are {elements * DTYPES[dtype].bits}"
-                " bits, not a whole number of bytes",
-            )
-        elif end - begin != expected:
-            add(
-                "HEADER_LENGTH_MISMATCH",
-                f"tensor {tensor}: byte range is {end - begin} bytes but {dtype}"
-                f" shape {quote(shape)} needs {expected}",
-            )
-        elif name not in entries:
-            entries[name] = HeaderEntry(
-                name, dtype, tuple(shape), data_start + begin, data_start + end
-            )
-
+        ranges.append((begin, end, index, name))
+        if entry is not None and name not in entries:
+            entries[name] = entry
     _check_tiling(ranges, data_size, data_start, all_ranges_known, add)
-    return violations, entries
+    return entries
 
 
-def _element_count(shape: list[int]) -> int | None:
-    """Product of the dims (1 for a scalar), or None past 2^64 elements.
+_Entry = tuple[int | None, int | None, "HeaderEntry | None"]  # range (None: unknown), record
+_FIELDS = operator.itemgetter(*_TENSOR_FIELDS)
 
-    Python ints never overflow, but a long shape of huge dims would make one huge
-    product slowly; no file can hold 2^64 elements, so stop there.
+
+def _plain_entries(
+    root: dict[str, Any], data_start: int
+) -> tuple[dict[str, HeaderEntry], list[_Range]] | None:
+    """Every tensor entry of a header as a writer writes them, read column by column.
+
+    Each test runs over a whole column in C (``map``, ``set``, ``zip``) instead of
+    field by field in Python. None unless every entry is well-formed: then
+    :func:`_detailed_entry` reads each one again and words each problem. It accepts
+    every entry this accepts, with the same result (tests/test_parse_fast.py).
+    The ranges are for :func:`_check_tiling`.
     """
-    if 0 in shape:
-        return 0
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > _U64_MAX:
-            return None
-    return count
+    if type(root) is not dict:  # repeated names: the detailed path words them
+        return None
+    names = list(root)
+    if _METADATA in root:
+        names.remove(_METADATA)
+    values = list(map(root.__getitem__, names))
+    if set(map(type, values)) != {dict} or set(map(len, values)) != {len(_TENSOR_FIELDS)}:
+        return None
+    try:
+        dtypes, shapes, offsets = zip(*map(_FIELDS, values), strict=True)
+    except KeyError:
+        return None
+    if set(map(type, dtypes)) != {str} or not DTYPES.keys() >= set(dtypes):
+        return None
+    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    begins, ends = zip(*offsets, strict=True)
+    if {*map(type, begins), *map(type, ends)} != {int} or min(begins) < 0 or max(ends) > U64_MAX:
+        return None
+    if not all(map(operator.le, begins, ends)):
+        return None
+    elements = element_counts(shapes, U64_MAX, dim_limit=U64_MAX)
+    if elements is None:
+        return None
+    bits = list(map(operator.mul, elements, [DTYPES[dtype].bits for dtype in dtypes]))
+    if set(map(operator.mod, bits, repeat(8))) != {0}:  # a sub-byte tensor ends mid-byte
+        return None
+    if list(map(operator.sub, ends, begins)) != [b // 8 for b in bits]:
+        return None
+    records = map(
+        HeaderEntry,
+        names,
+        dtypes,
+        map(tuple, shapes),
+        map(operator.add, begins, repeat(data_start)),
+        map(operator.add, ends, repeat(data_start)),
+    )
+    return dict(zip(names, records, strict=True)), list(zip(begins, ends, count(), names))
 
 
-_Add = Callable[[str, str], None]
+def _detailed_entry(name: str, value: Any, data_start: int, add: _Add) -> _Entry:
+    """An entry's range (None when unknown) and, when it is well-formed, its record;
+    every problem reported through ``add``."""
+    tensor = quote(name)
+    if not isinstance(value, dict):
+        add("HEADER_FIELD_INVALID", f"tensor {tensor}: entry is not an object")
+        return None, None, None
+    fields = _entry_fields(value, tensor, add)
+    dtype = fields.get("dtype")
+    if "dtype" in fields and not isinstance(dtype, str):
+        add("HEADER_FIELD_INVALID", f"tensor {tensor}: dtype is not a string")
+        dtype = None
+    elif isinstance(dtype, str) and dtype not in DTYPES:
+        add("HEADER_DTYPE_UNKNOWN", f"tensor {tensor}: unknown dtype {quote(dtype)}")
+        dtype = None
+    shape = fields.get("shape")
+    if "shape" in fields and not (isinstance(shape, list) and all(_is_u64(d) for d in shape)):
+        message = f"tensor {tensor}: shape is not a list of integers in [0, 2^64-1]"
+        add("HEADER_FIELD_INVALID", message)
+        shape = None
+    offsets = fields.get("data_offsets")
+    if "data_offsets" in fields and not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_u64(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        message = f"tensor {tensor}: data_offsets is not two integers 0 <= begin <= end < 2^64"
+        add("HEADER_FIELD_INVALID", message)
+        offsets = None
+    if offsets is None:
+        return None, None, None
+    begin, end = offsets
+    if (
+        dtype is None
+        or shape is None
+        or not _length_matches(tensor, dtype, shape, end - begin, add)
+    ):
+        return begin, end, None
+    return begin, end, HeaderEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _entry_fields(value: dict[str, Any], tensor: str, add: _Add) -> dict[str, Any]:
+    """The entry's known fields, first value of each; unknown, repeated and missing
+    fields reported."""
+    fields: dict[str, Any] = {}
+    for key, item in pairs_of(value):
+        if key not in _TENSOR_FIELDS:
+            add("HEADER_FIELD_UNKNOWN", f"tensor {tensor}: unknown field {quote(key)}")
+        elif key in fields:
+            add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} appears twice")
+        else:
+            fields[key] = item
+    for key in _TENSOR_FIELDS:
+        if key not in fields:
+            add("HEADER_FIELD_INVALID", f"tensor {tensor}: field {key!r} is missing")
+    return fields
+
+
+def _length_matches(tensor: str, dtype: str, shape: list[int], length: int, add: _Add) -> bool:
+    """Whether the byte range length is what the dtype and shape need."""
+    elements = element_count(shape, U64_MAX)
+    expected = None if elements is None else DTYPES[dtype].nbytes(elements)
+    if elements is None:
+        add(
+            "HEADER_LENGTH_MISMATCH",
+            f"tensor {tensor}: byte range is {length} bytes but {dtype}"
+            f" shape {quote(shape)} has more than 2^64 elements",
+        )
+    elif expected is None:
+        add(
+            "HEADER_SUBBYTE_ALIGNMENT",
+            f"tensor {tensor}: {elements} {dtype} elements are {elements * DTYPES[dtype].bits}"
+            " bits, not a whole number of bytes",
+        )
+    elif length != expected:
+        add(
+            "HEADER_LENGTH_MISMATCH",
+            f"tensor {tensor}: byte range is {length} bytes but {dtype}"
+            f" shape {quote(shape)} needs {expected}",
+        )
+    return elements is not None and expected == length
 
 
 def _check_metadata(value: Any, add: _Add) -> None:
-    if not isinstance(value, _Object):
+    if not isinstance(value, dict):
         add("HEADER_FIELD_INVALID", "__metadata__ is not an object")
         return
     keys: set[str] = set()
-    for key, item in value.pairs:
+    for key, item in pairs_of(value):
         if key in keys:
             add("HEADER_FIELD_INVALID", f"__metadata__ key {quote(key)} appears twice")
         keys.add(key)
@@ -380,9 +434,9 @@ def _check_tiling(
     FILE_TRUNCATED when the ranges would tile a longer file exactly (the file was cut
     short), else a HEADER_OFFSETS_INVALID (the header is wrong anyway).
     """
-    past = [r for r in ranges if r.end > data_size]
+    past = [r for r in ranges if r[1] > data_size]
     if past:
-        needed = max(r.end for r in past)
+        needed = max(end for _, end, _, _ in past)
         if complete and not _tiling_problems(ranges, needed, complete):
             add(
                 "FILE_TRUNCATED",
@@ -391,11 +445,11 @@ def _check_tiling(
                 " part)",
             )
         else:
-            first = past[0]
+            begin, end, _, name = past[0]
             more = f" (and {len(past) - 1} more)" if len(past) > 1 else ""
             add(
                 "HEADER_OFFSETS_INVALID",
-                f"tensor {quote(first.name)}: byte range [{first.begin}, {first.end}) runs past"
+                f"tensor {quote(name)}: byte range [{begin}, {end}) runs past"
                 f" the end of the {data_size}-byte data area{more}",
             )
     for problem in _tiling_problems(ranges, data_size, complete):
@@ -407,21 +461,22 @@ def _tiling_problems(ranges: list[_Range], data_size: int, complete: bool) -> li
     problems: list[str] = []
     cursor = 0
     holder: _Range | None = None  # the range that reached ``cursor``
-    for r in sorted(ranges, key=lambda r: (r.begin, r.end)):
-        if r.begin > cursor:
-            gap_end = min(r.begin, data_size)
+    for here in sorted(ranges):  # by (begin, end), then header order
+        begin, end, _, name = here
+        if begin > cursor:
+            gap_end = min(begin, data_size)
             if complete and gap_end > cursor:
                 problems.append(
                     f"gap of {gap_end - cursor} unbound bytes at data offset {cursor},"
-                    f" before tensor {quote(r.name)}"
+                    f" before tensor {quote(name)}"
                 )
-        elif r.begin < cursor and holder is not None:
+        elif begin < cursor and holder is not None:
             problems.append(
-                f"tensor {quote(r.name)}: byte range [{r.begin}, {r.end}) overlaps tensor"
-                f" {quote(holder.name)} [{holder.begin}, {holder.end})"
+                f"tensor {quote(name)}: byte range [{begin}, {end}) overlaps tensor"
+                f" {quote(holder[3])} [{holder[0]}, {holder[1]})"
             )
-        if r.end >= cursor:
-            cursor, holder = r.end, r
+        if end >= cursor:
+            cursor, holder = end, here
     if complete and cursor < data_size:
         problems.append(
             f"{data_size - cursor} trailing bytes at data offset {cursor} are not bound by"

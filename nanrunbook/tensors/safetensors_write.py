@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nanrunbook.dtypes import DTYPES
+from nanrunbook.records import element_count
+from nanrunbook.tensors.safetensors import U64_MAX
 
 __all__ = ["RawTensor", "safetensors_chunks"]
 
@@ -31,9 +33,9 @@ class RawTensor:
             raise ValueError(f"unknown safetensors dtype {self.dtype!r}")
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape):
             raise ValueError(f"shape {self.shape!r} is not a tuple of integers >= 0")
-        elements = 1
-        for dim in self.shape:
-            elements *= dim
+        elements = element_count(self.shape, U64_MAX)
+        if elements is None:
+            raise ValueError(f"shape {self.shape!r} holds more elements than a file can")
         expected = dtype.nbytes(elements)
         if expected is None:
             raise ValueError(f"{elements} {self.dtype} elements do not fill whole bytes")

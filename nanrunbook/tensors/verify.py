@@ -50,10 +50,15 @@ CODES = {
     "COUNTS_RECOUNT_MISMATCH": "declared counts differ from the recount of a complete stage",
     "FINITE_MAX_ABS_RECOUNT_MISMATCH": "declared finite_max_abs differs from the recount",
     "FILE_CHANGED": "a tensor file changed size while it was read",
-    "EVIDENCE_CONTENT_ID_MISMATCH": "evidence_content_id differs from the recomputed id",
 }
 
 Progress = Callable[[int], None]
+
+# Why a declared value and its recount differ, said after the difference itself.
+RECOUNT_CAUSES = (
+    "the manifest was edited after capture, the probe read another slice,"
+    " or it ran before or after the value changed"
+)
 
 
 def _reject(code: str, where: str, message: str) -> EvidenceRejected:
@@ -179,7 +184,8 @@ def _recount_violations(manifest: Manifest, findings: tuple[StageFinding, ...]) 
                 Violation(
                     "FINITE_MAX_ABS_RECOUNT_MISMATCH",
                     f"$.stages[{s_index}].finite_max_abs",
-                    f"declared {stage.finite_max_abs!r}, recounted {finding.finite_max_abs!r}",
+                    f"declared {stage.finite_max_abs!r}, recounted {finding.finite_max_abs!r}"
+                    f" from the data; {RECOUNT_CAUSES}",
                 )
             )
     return found
@@ -322,8 +328,8 @@ def _compare_recount(declared: Counts | None, finding: StageFinding, path: str) 
         Violation(
             "COUNTS_RECOUNT_MISMATCH",
             f"{path}.counts",
-            f"declared {_show(declared)}, recounted {_show(recounted)}: the probe sampled "
-            "another slice or ran after the value was replaced",
+            f"declared {_show(declared)}, recounted {_show(recounted)} from the data;"
+            f" {RECOUNT_CAUSES}",
         )
     ]
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from nanrunbook.contract import ACTIONS, CONTINUE, HOLD, NO_NONFINITE_ACTION, ROOT_CAUSE_CLAIM
 from nanrunbook.errors import EvidenceRejected, Violation
-from nanrunbook.manifest.rules import counts_violations, sequence_violations
-from nanrunbook.records import Counts, Decision, StageFinding, StageRecord, TensorFinding
+from nanrunbook.manifest.rules import counts_violations, found_inf_violations, sequence_violations
+from nanrunbook.records import Counts, Decision, Scaler, StageFinding, StageRecord, TensorFinding
 
 __all__ = ["CODES", "decide", "finding_violations"]
 
@@ -77,9 +77,12 @@ def _source_violations(stage: StageFinding, where: str) -> list[Violation]:
     return []
 
 
-def decide(stages: Sequence[StageFinding]) -> Decision:
-    """The decision for five checked stages; EvidenceRejected if they contradict themselves."""
+def decide(stages: Sequence[StageFinding], scaler: Scaler | None = None) -> Decision:
+    """The decision for five checked stages; EvidenceRejected if they contradict
+    themselves or, when the run's ``scaler`` is given, its found_inf."""
     problems = finding_violations(stages)
+    if scaler is not None and not problems:
+        problems = found_inf_violations(scaler, stages, "$")
     if problems:
         raise EvidenceRejected(problems)
     for stage in stages:
