@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 from bundlekit import load, save
-from fixtures_support import OWNER, binding
+from fixtures_support import OWNER, RECOVERY, binding
 
 from nanrunbook.capture import BundleWriter
 
@@ -35,7 +35,11 @@ def rank_bundle(
         step=step,
         incident_owner="ml-oncall",
         binding=items,
-        last_known_good={"checkpoint_id": "ckpt-9", "step": step - 1},
+        last_known_good={
+            "checkpoint_id": "ckpt-9",
+            "step": step - 1,
+            "verified_together": RECOVERY,
+        },
     )
     for index, stage in enumerate(STAGES):
         values = np.arange(4, dtype="float32") + index + rank
