@@ -6,8 +6,10 @@ of tensor data is read, so hostile declarations cost nothing to refuse.
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,9 +64,35 @@ def check_bundle(
     (default :class:`~nanrunbook.verdict.precision.WarningThresholds`); warnings never
     change the decision or the exit code.
     """
-    caps = caps or Caps()
-    bundle = Path(path)
+    with _collector_paused():
+        return _check(Path(path), caps or Caps(), progress, workers, thresholds)
 
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one check; leave it as it was.
+
+    A check allocates a few objects per JSON value and per tensor (trees, records,
+    findings), hundreds of thousands for a big bundle, none of them in a reference
+    cycle: the collector would scan them again and again and free nothing (a fifth
+    of the CPU time of a 20,480-tensor check, measured).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _check(
+    bundle: Path,
+    caps: Caps,
+    progress: Progress | None,
+    workers: int | None,
+    thresholds: WarningThresholds | None,
+) -> Report:
     # 1. The manifest file, read strictly: a lexical violation stops here.
     document = load_manifest(read_manifest_bytes(bundle))
     declared = declared_values(document.value)
