@@ -266,15 +266,16 @@ class EarlyWarnings:
 def magnitude_alerts(what: str, values: Iterable[tuple[float | None, str | None]]) -> list[Alert]:
     """AT_DTYPE_MAX / NEAR_DTYPE_MAX (as the check's report uses them) for the
     worst of ``values``: (finite max abs, dtype) pairs."""
-    worst: tuple[float, float, str] | None = None
-    for max_abs, dtype in values:
-        bits = headroom_bits(max_abs, dtype)
-        known = bits is not None and max_abs is not None and dtype is not None
-        if known and (worst is None or bits < worst[0]):  # type: ignore[operator]
-            worst = (bits, max_abs, dtype)  # type: ignore[assignment]
-    if worst is None:
+    known = [
+        (bits, max_abs, dtype)
+        for max_abs, dtype in values
+        if max_abs is not None
+        and dtype is not None
+        and (bits := headroom_bits(max_abs, dtype)) is not None
+    ]
+    if not known:
         return []
-    bits, max_abs, dtype = worst
+    bits, max_abs, dtype = min(known)
     if bits <= 0:
         return [Alert("AT_DTYPE_MAX", f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
     if bits < 1:

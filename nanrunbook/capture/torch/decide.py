@@ -352,6 +352,7 @@ class Decisions:
     def _contaminated(
         self, previous: StepRecord, current: StepRecord | None, reason: str
     ) -> SentinelHold:
+        origin = self.ranks.origin(None, "optimizer", previous.number)  # the others gather
         self._finish(previous, held=True)
         if current is not None:
             self._finish(current, skipped=True)
@@ -364,6 +365,7 @@ class Decisions:
             last_known_good=self.last_known_good,
             contaminated=True,
             capture_error="no pre-step snapshot to replay from (Sentinel(snapshot=True) keeps one)",
+            origin_ranks=origin if self.ranks.several else None,
         )
 
     # ------------------------------------------------------------- the line

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
 from nanrunbook.capture.torch.binding import model_binding, scheduler_binding

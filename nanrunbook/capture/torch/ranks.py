@@ -75,8 +75,8 @@ class Ranks:
         agreed = KINDS[int(code.item())]
         if agreed == outcome.kind:
             return outcome
-        if agreed == "update":  # this rank's update was finite: hold the step it is on
-            agreed = "hold"
+        if agreed == "update":  # this rank's update was finite: the policy decides
+            agreed = "incident"
         return Outcome(agreed, f"another rank's values went non-finite ({agreed})", None)
 
     def origin(self, decision: str | None, stage: str | None, step: int) -> tuple[int, ...]:
