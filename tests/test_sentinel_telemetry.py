@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanrunbook.capture.telemetry import (
     Alert,
@@ -98,3 +100,70 @@ def test_lines_carry_no_nan_and_are_whole(tmp_path: Path) -> None:
     assert text.endswith("\n") and "NaN" not in text and "Infinity" not in text
     first = json.loads(text.splitlines()[0])
     assert (first["loss"], first["grad"]["max_abs"], first["grad"]["norm"]) == (None, None, None)
+
+
+# ---- the writer's line and the reader's parser are one format ------------------------
+
+_maybe = st.none() | st.floats(allow_nan=True, allow_infinity=True, width=32)
+_count = st.integers(0, 2**40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loss=st.floats(allow_nan=True, allow_infinity=True),
+    grad_max=_maybe,
+    counts=st.tuples(_count, _count, _count),
+    scale=_maybe,
+    found_inf=st.none() | st.booleans(),
+    skipped=st.booleans(),
+    held=st.booleans(),
+    with_update=st.booleans(),
+)
+def test_every_sentinel_line_reads_back_with_the_watch_parser(
+    loss: float,
+    grad_max: float | None,
+    counts: tuple[int, int, int],
+    scale: float | None,
+    found_inf: bool | None,
+    skipped: bool,
+    held: bool,
+    with_update: bool,
+) -> None:
+    import orjson
+
+    from nanrunbook.capture.telemetry import (
+        GradTelemetry,
+        StepTelemetry,
+        UpdateTelemetry,
+        headroom_bits,
+        loss_class,
+    )
+    from nanrunbook.telemetry.record import TELEMETRY_FORMAT, parse_record, record_document
+
+    nan, posinf, neginf = counts
+    line = StepTelemetry(
+        run_id="run-1",
+        rank=0,
+        world_size=1,
+        step=7,
+        time=1764500000.5,
+        loss=loss,
+        loss_class=loss_class([loss]),
+        grad=GradTelemetry(
+            nan, posinf, neginf, grad_max, "F32", headroom_bits(grad_max, "F32"), None
+        ),
+        update=UpdateTelemetry(0, 0, 0, 1.0) if with_update else None,
+        scale=scale,
+        found_inf=found_inf,
+        skipped=skipped,
+        held=held,
+        bundle=None,
+    ).line()
+    document = orjson.loads(orjson.dumps(line))
+    assert document["format"] == TELEMETRY_FORMAT
+    record = parse_record(document)
+    assert record.step == 7 and record.held is held and record.skipped is skipped
+    assert record.loss_class == line["loss_class"]
+    # The reader writes back exactly the fields the writer put in the fixed shape.
+    fixed = record_document(record)
+    assert {k: v for k, v in document.items() if k in fixed} == fixed

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from nanrunbook.dtypes import DTYPES
+# The line's format and its headroom arithmetic have one home, beside the reader.
+from nanrunbook.telemetry.record import TELEMETRY_FORMAT, headroom_bits
 from nanrunbook.warning_codes import WARNING_CODES
 
 __all__ = [
@@ -36,22 +37,12 @@ __all__ = [
     "mean_loss",
 ]
 
-TELEMETRY_FORMAT = "nanrunbook-telemetry/1"
 LossClass = Literal["finite", "nan", "posinf", "neginf"]
 
 
 def _finite(value: float | None) -> float | None:
     """JSON has no NaN or infinity: such a number is written as null."""
     return value if value is not None and math.isfinite(value) else None
-
-
-def headroom_bits(max_abs: float | None, dtype: str | None) -> float | None:
-    """Bits between a finite magnitude and the dtype's largest finite value
-    (``log2(max / max_abs)``); None when either is unknown or max_abs is 0."""
-    if max_abs is None or dtype is None or not math.isfinite(max_abs) or max_abs <= 0:
-        return None
-    largest = DTYPES[dtype].max_finite if dtype in DTYPES else None
-    return None if largest is None else math.log2(largest / max_abs)
 
 
 @dataclass(frozen=True)

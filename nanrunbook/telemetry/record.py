@@ -157,7 +157,9 @@ def headroom_bits(max_abs: float | None, dtype: str | None) -> float | None:
     0 when saturated, below 1 when within a factor of two. None when either is
     unknown or ``max_abs`` is zero (no magnitude, no headroom to speak of)."""
     known = DTYPES.get(dtype) if dtype is not None else None
-    if max_abs is None or known is None or known.max_finite is None or not max_abs > 0:
+    if max_abs is None or known is None or known.max_finite is None:
+        return None
+    if not (max_abs > 0 and math.isfinite(max_abs)):
         return None
     return max(0.0, math.log2(known.max_finite / max_abs))
 
