@@ -41,8 +41,9 @@ from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.records import element_count
 from nanrunbook.tensors.counting import code_values
-from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, U64_MAX, TensorFileHeader, read_header
+from nanrunbook.tensors.safetensors import U64_MAX, TensorFileHeader, read_header
 from nanrunbook.tensors.scan import ShortRead, default_workers
+from nanrunbook.tensors.verify import header_limit
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -58,8 +59,6 @@ _Array = npt.NDArray[Any]
 # Elements per chunk: a multiple of 8, so F4 (two per byte) and F6 (four per
 # three bytes) chunks are whole bytes; float64 temporaries stay at 2 MiB.
 CHUNK_ELEMENTS = 1 << 18
-_HEADER_BASE_BYTES = 4 * 1024 * 1024  # the bound verify applies: the same files
-_HEADER_BYTES_PER_ENTRY = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,8 +356,8 @@ class _Files:
             except EvidenceRejected as error:
                 raise _sided(error, tensor.side) from None
             try:
-                limit = _HEADER_BASE_BYTES + _HEADER_BYTES_PER_ENTRY * self._bound[key]
-                header = read_header(fd, tensor.file, max_header_len=min(limit, MAX_HEADER_LEN))
+                limit = header_limit(self._bound[key])  # the check's bound: the same files
+                header = read_header(fd, tensor.file, max_header_len=limit)
             except EvidenceRejected as error:
                 os.close(fd)
                 raise _sided(error, tensor.side) from None
