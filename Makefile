@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch that the capture API's tests and examples run on.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint fuzz bench bench-diff install clean fixtures
+.PHONY: demo test lint fuzz bench bench-diff bench-set bench-sentinel bench-watch bench-shrink install clean fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,19 @@ fixtures: $(VENV)/.installed
 bench: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_check.py $(BENCH_ARGS)
 
+# `make bench-sentinel`: what the training-loop sentinel costs a real CPU training loop
+# (a 27M-parameter transformer), with and without it in alternating runs.
+bench-sentinel: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_sentinel.py $(BENCH_ARGS)
+
 # `make bench-diff`: time `nanrunbook diff` of two 1 GiB bundles (a few tensors differ)
 # against checking both, same run. BENCH_ARGS="--runs 9" for more.
 bench-diff: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_diff.py $(BENCH_ARGS)
+
+# `make bench-set`: an incident set of 8 x 128 MiB against one 1 GiB bundle, same run.
+bench-set: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_set.py $(BENCH_ARGS)
 
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.
@@ -61,17 +70,19 @@ ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
 # fish reads user completions from its config directory only.
 FISHCOMPDIR ?= $(or $(XDG_CONFIG_HOME),$(HOME)/.config)/fish/completions
 INSTALLED := $(PREFIX)/bin/nanrunbook $(MANDIR)/man1/nanrunbook.1 \
-  $(MANDIR)/man5/nanrunbook-bundle.5 $(BASHCOMPDIR)/nanrunbook $(ZSHCOMPDIR)/_nanrunbook \
+  $(MANDIR)/man5/nanrunbook-bundle.5 $(MANDIR)/man7/nanrunbook-sentinel.7 \
+  $(BASHCOMPDIR)/nanrunbook $(ZSHCOMPDIR)/_nanrunbook \
   $(FISHCOMPDIR)/nanrunbook.fish
 
 .PHONY: uninstall completions
 
 install: $(VENV)/.installed
-	install -d '$(PREFIX)/bin' '$(MANDIR)/man1' '$(MANDIR)/man5' '$(BASHCOMPDIR)' \
+	install -d '$(PREFIX)/bin' '$(MANDIR)/man1' '$(MANDIR)/man5' '$(MANDIR)/man7' '$(BASHCOMPDIR)' \
 	  '$(ZSHCOMPDIR)' '$(FISHCOMPDIR)'
 	ln -sfn '$(abspath $(BIN))/nanrunbook' '$(PREFIX)/bin/nanrunbook'
 	install -m 644 man/nanrunbook.1 '$(MANDIR)/man1/nanrunbook.1'
 	install -m 644 man/nanrunbook-bundle.5 '$(MANDIR)/man5/nanrunbook-bundle.5'
+	install -m 644 man/nanrunbook-sentinel.7 '$(MANDIR)/man7/nanrunbook-sentinel.7'
 	install -m 644 completions/nanrunbook.bash '$(BASHCOMPDIR)/nanrunbook'
 	install -m 644 completions/_nanrunbook '$(ZSHCOMPDIR)/_nanrunbook'
 	install -m 644 completions/nanrunbook.fish '$(FISHCOMPDIR)/nanrunbook.fish'
@@ -92,3 +103,9 @@ completions: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# `make bench-watch`: `nanrunbook watch` on a generated 1,000,000-line telemetry file
+# (cached in .bench-cache/) against a bare orjson.loads loop and `wc -l`, with peak RSS.
+.PHONY: bench-watch
+bench-watch: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_watch.py $(BENCH_ARGS)

@@ -103,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             run_id=RUN_ID,
             step=step,
             incident_owner="ml-oncall",
-            last_known_good={"checkpoint_id": f"in-memory-step-{last_good}", "step": last_good},
+            # The loop stated its recovery point: the in-memory state after the last
+            # good step holds all five parts together (nothing is assumed for it).
+            last_known_good={
+                "checkpoint_id": f"in-memory-step-{last_good}",
+                "step": last_good,
+                "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
+            },
             binding=binding,
             rng_state=rng,
             target=out,

@@ -10,6 +10,9 @@ The library API the CLI is built on::
     else:
         report.decision.decision  # "HOLD" or "CONTINUE_BOUNDED_DIAGNOSTICS"
 
+    incident = nanrunbook.check_incident_set("incident/run-7/1842/")  # one bundle per rank
+    incident.decision, incident.origin, incident.origin_ranks  # "HOLD", "ONE_RANK", (3,)
+
 Names are imported on first use, so ``nanrunbook --help`` loads no numpy.
 """
 
@@ -22,6 +25,7 @@ from nanrunbook._version import __version__
 
 if TYPE_CHECKING:
     from nanrunbook.check import check_bundle
+    from nanrunbook.check_set import check_incident_set, is_incident_set
     from nanrunbook.contract import Caps, contract_content_id, contract_document
     from nanrunbook.diff import (
         Comparison,
@@ -31,11 +35,18 @@ if TYPE_CHECKING:
     )
     from nanrunbook.errors import EvidenceRejected, Violation
     from nanrunbook.verdict.decision import decide
+    from nanrunbook.verdict.incident_set import IncidentSet, set_document
+    from nanrunbook.verdict.merge import merge_reports
     from nanrunbook.verdict.precision import WarningThresholds, headroom
     from nanrunbook.verdict.report import Report, report_document
 
 _LAZY = {
     "check_bundle": ".check",
+    "check_incident_set": ".check_set",
+    "is_incident_set": ".check_set",
+    "IncidentSet": ".verdict.incident_set",
+    "set_document": ".verdict.incident_set",
+    "merge_reports": ".verdict.merge",
     "Caps": ".contract",
     "contract_content_id": ".contract",
     "contract_document": ".contract",
@@ -57,18 +68,23 @@ __all__ = [
     "Comparison",
     "ComparisonRejected",
     "EvidenceRejected",
+    "IncidentSet",
     "Report",
     "Violation",
     "WarningThresholds",
     "__version__",
     "check_bundle",
+    "check_incident_set",
     "contract_content_id",
     "contract_document",
     "decide",
     "diff_bundles",
     "diff_document",
     "headroom",
+    "is_incident_set",
+    "merge_reports",
     "report_document",
+    "set_document",
 ]
 
 

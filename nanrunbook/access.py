@@ -11,6 +11,7 @@ import errno
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from nanrunbook.errors import EvidenceRejected, Violation, quote
@@ -19,12 +20,16 @@ __all__ = [
     "CODES",
     "MANIFEST_MAX_BYTES",
     "MANIFEST_NAME",
+    "MemberDirectory",
     "bundles_below",
     "check_relative_path",
     "file_where",
     "open_in_bundle",
     "os_error",
     "read_manifest_bytes",
+    "require_directory",
+    "set_members",
+    "sets_below",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -121,6 +126,15 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     unsafe = check_relative_path(relpath)
     if unsafe:
         raise EvidenceRejected(unsafe)
+    root, parts = _resolve_inside(bundle_dir, relpath)
+    fd, before = _open_beneath(root, parts, relpath)
+    _confirm_opened(fd, before, relpath)
+    return fd
+
+
+def _resolve_inside(bundle_dir: Path, relpath: str) -> tuple[str, list[str]]:
+    """The bundle's real path and the components of the file's real path below it;
+    refuses a path that resolves outside the bundle or to a directory."""
     try:
         root = os.path.realpath(bundle_dir, strict=True)
     except OSError as err:
@@ -146,7 +160,13 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     if relpath.endswith(("/", "/.")):
         # realpath drops the trailing "/", but the path names a directory (POSIX).
         raise _reject("FILE_NOT_REGULAR", relpath, "tensor file path names a directory")
+    return root, parts
 
+
+def _open_beneath(root: str, parts: list[str], relpath: str) -> tuple[int, os.stat_result]:
+    """Open the file again, component by component from ``root`` with O_NOFOLLOW,
+    so that a symlink swapped in since ``_resolve_inside`` fails the open; return
+    the fd and the final component's lstat taken before it was opened."""
     opened: list[int] = []
     try:
         try:
@@ -169,6 +189,12 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     finally:
         for dir_fd in opened:
             os.close(dir_fd)
+    return fd, before
+
+
+def _confirm_opened(fd: int, before: os.stat_result, relpath: str) -> None:
+    """The opened fd's fstat is authoritative: a regular file, and the one lstat-ed
+    before the open. Closes ``fd`` when it raises."""
     try:
         after = os.fstat(fd)
     except OSError as err:
@@ -184,7 +210,6 @@ def open_in_bundle(bundle_dir: Path, relpath: str) -> int:
     if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
         raise _reject("FILE_UNREADABLE", relpath, "tensor file was replaced while being opened")
-    return fd
 
 
 def _kind(mode: int) -> str:
@@ -205,20 +230,26 @@ def _reject_at(code: str, where: str, message: str) -> EvidenceRejected:
     return EvidenceRejected([Violation(code, where, message)])
 
 
-def read_manifest_bytes(bundle: Path) -> bytes:
-    """The manifest's bytes, refusing anything but a bounded regular file."""
+def require_directory(path: Path) -> None:
+    """Raise BUNDLE_NOT_FOUND or BUNDLE_NOT_DIRECTORY unless ``path`` is a directory
+    (a bundle, or an incident set of bundles)."""
     try:
-        info = os.stat(bundle)
+        info = os.stat(path)
     except FileNotFoundError:
         raise _reject_at(
-            "BUNDLE_NOT_FOUND", file_where(str(bundle)), "no such file or directory"
+            "BUNDLE_NOT_FOUND", file_where(str(path)), "no such file or directory"
         ) from None
     except OSError as err:
         raise _reject_at(
-            "BUNDLE_NOT_FOUND", file_where(str(bundle)), err.strerror or "cannot stat"
+            "BUNDLE_NOT_FOUND", file_where(str(path)), err.strerror or "cannot stat"
         ) from None
     if not stat.S_ISDIR(info.st_mode):
-        raise _reject_at("BUNDLE_NOT_DIRECTORY", file_where(str(bundle)), "a bundle is a directory")
+        raise _reject_at("BUNDLE_NOT_DIRECTORY", file_where(str(path)), "a bundle is a directory")
+
+
+def read_manifest_bytes(bundle: Path) -> bytes:
+    """The manifest's bytes, refusing anything but a bounded regular file."""
+    require_directory(bundle)
     try:
         fd = open_in_bundle(bundle, MANIFEST_NAME)
     except EvidenceRejected as err:
@@ -259,13 +290,22 @@ def _manifest_unopened(bundle: Path, code: str) -> EvidenceRejected:
     if code == "FILE_MISSING":
         message = f"bundle {shown} has no manifest.json"
         members = bundles_below(bundle)
+        sets = [] if members else sets_below(bundle)
         if members:
-            listed = ", ".join(quote(name) for name in members[:5])
-            more = f" and {len(members) - 5} more" if len(members) > 5 else ""
-            message += f"; it holds bundles one level down: {listed}{more}"
+            message += f"; it holds bundles one level down: {_listed(members)}"
+        elif sets:
+            message += (
+                f"; it holds incident sets (directories of rank bundles) one level down:"
+                f" {_listed(sets)}; check each"
+            )
         return _reject_at("MANIFEST_MISSING", MANIFEST_NAME, message)
     problem = _MANIFEST_PROBLEM.get(code, "cannot be opened")
     return _reject_at("MANIFEST_UNREADABLE", MANIFEST_NAME, f"manifest of bundle {shown} {problem}")
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    listed = ", ".join(quote(name) for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def bundles_below(directory: Path) -> list[str]:
@@ -282,3 +322,99 @@ def bundles_below(directory: Path) -> list[str]:
     except OSError:
         return []
     return sorted(names)
+
+
+def sets_below(directory: Path, limit: int = 64) -> list[str]:
+    """Names of the subdirectories of ``directory`` that are incident sets (no
+    manifest.json, bundles one level down), sorted; at most ``limit`` are looked into."""
+    names: list[str] = []
+    try:
+        with os.scandir(directory) as entries:
+            candidates = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+    for name in candidates[:limit]:
+        path = Path(directory) / name
+        if not _has_entry(path, MANIFEST_NAME) and bundles_below(path):
+            names.append(name)
+    return names
+
+
+def _has_entry(directory: Path | str, name: str) -> bool:
+    """Whether ``directory`` holds an entry ``name`` of any kind; True too when
+    that cannot be told (a directory without search permission): a member that
+    cannot be read is reported, never skipped."""
+    try:
+        os.lstat(os.path.join(directory, name))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class MemberDirectory:
+    """A member bundle of an incident set (spec section 11)."""
+
+    name: str  # its entry in the set directory
+    path: Path  # the directory to check: inside the set
+    outside: bool = False  # a symlink that resolves outside the set: never followed
+
+
+def set_members(directory: Path) -> list[MemberDirectory]:
+    """The members of the incident set ``directory``, in name order.
+
+    A member is a subdirectory holding a manifest.json (of any kind: a broken one
+    is the member's rejection, not a reason to skip it). Under the path rules of
+    spec section 1, a symlinked entry is a member when it resolves to a directory
+    inside the set, checked there; one that resolves to a bundle outside the set
+    is listed with ``outside`` set and never read. Two names of one directory are
+    one member, under its real name when it has one in the set.
+
+    Raises BUNDLE_NOT_FOUND or BUNDLE_NOT_DIRECTORY for a path that is not a
+    directory, and OSError when the directory cannot be listed.
+    """
+    require_directory(directory)
+    root = os.path.realpath(directory)
+    plain: list[MemberDirectory] = []
+    linked: list[MemberDirectory] = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                member = _member(directory, root, entry)
+            except OSError:
+                continue  # vanished or unreadable while listed: it declares nothing
+            if member is not None:
+                (linked if entry.is_symlink() else plain).append(member)
+    seen: set[tuple[int, int]] = set()
+    members: list[MemberDirectory] = []
+    for member in sorted(plain, key=_by_name) + sorted(linked, key=_by_name):
+        if not member.outside:
+            try:
+                info = os.stat(member.path)
+            except OSError:
+                info = None
+            if info is not None:
+                if (info.st_dev, info.st_ino) in seen:
+                    continue
+                seen.add((info.st_dev, info.st_ino))
+        members.append(member)
+    return sorted(members, key=_by_name)
+
+
+def _by_name(member: MemberDirectory) -> str:
+    return member.name
+
+
+def _member(directory: Path, root: str, entry: os.DirEntry[str]) -> MemberDirectory | None:
+    if not entry.is_symlink():
+        if entry.is_dir(follow_symlinks=False) and _has_entry(entry.path, MANIFEST_NAME):
+            return MemberDirectory(entry.name, Path(directory) / entry.name)
+        return None
+    target = os.path.realpath(entry.path)
+    if not os.path.isdir(target) or not _has_entry(target, MANIFEST_NAME):
+        return None
+    if target == root or os.path.commonpath([root, target]) != root:
+        return MemberDirectory(entry.name, Path(directory) / entry.name, outside=True)
+    return MemberDirectory(entry.name, Path(directory) / os.path.relpath(target, root))

@@ -13,7 +13,7 @@ from nanrunbook import access, strictjson
 from nanrunbook.capture import seal
 from nanrunbook.manifest import content_id, fields, parse, rules
 from nanrunbook.tensors import safetensors, verify
-from nanrunbook.verdict import decision
+from nanrunbook.verdict import decision, incident_set, merge
 
 __all__ = ["CODES"]
 
@@ -21,7 +21,7 @@ __all__ = ["CODES"]
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
     modules = (strictjson, fields, parse, content_id, rules, access, safetensors, verify)
-    for module in (*modules, decision, seal):
+    for module in (*modules, decision, seal, incident_set, merge):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

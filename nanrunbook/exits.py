@@ -6,9 +6,10 @@ caller asked to fail on warnings, so it cannot be mistaken for a HOLD.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 
-__all__ = ["Exit"]
+__all__ = ["Exit", "most_severe"]
 
 
 class Exit(IntEnum):
@@ -21,3 +22,13 @@ class Exit(IntEnum):
     INTERNAL = 4  # a defect of nanrunbook
     WARNINGS = 5  # no HOLD, but warnings, and --fail-on-warnings was given
     INTERRUPTED = 130  # Ctrl-C
+
+
+_SEVERITY = (Exit.REJECTED, Exit.HOLD, Exit.WARNINGS, Exit.CONTINUE)
+
+
+def most_severe(codes: Iterable[int]) -> int:
+    """The answer for several verdicts at once: rejected (3), then HOLD (1), then
+    warnings (5, only when asked to fail on them), then CONTINUE (0). Empty: CONTINUE."""
+    given = set(codes)
+    return next((code for code in _SEVERITY if code in given), Exit.CONTINUE)

@@ -23,5 +23,21 @@ WARNING_CODES = MappingProxyType(
             "a share of zero or subnormal F16/BF16 gradients above the threshold,"
             " or all-zero gradients under a loss scale"
         ),
+        # Derived by `nanrunbook watch` from the telemetry's gradient headroom.
+        "HEADROOM_FALLING": (
+            "the trend of gradient headroom over the last window reaches the dtype's max"
+            " within a window's steps"
+        ),
+        # The training-loop sentinel's (nanrunbook.capture.torch.Sentinel) telemetry.
+        "GRAD_NORM_SPIKE": (
+            "the gradient norm is above a multiple of the median of the recent window"
+        ),
+        "LOSS_SCALE_BACKOFF_STREAK": "the dynamic loss scale backed off several steps in a row",
+        "LOSS_SCALE_BELOW_FLOOR": "the dynamic loss scale fell below the floor",
+        "SKIPPED_UPDATE_STREAK": "several consecutive steps were skipped without an update",
+        "CHECKPOINT_NOT_RECOVERY_POINT": (
+            "a checkpoint did not verify all five recovery parts together;"
+            " the last known-good state stays the previous one"
+        ),
     }
 )

@@ -93,7 +93,11 @@ def write_bundle(
         step=step,
         incident_owner="ml-oncall",
         binding=items,
-        last_known_good={"checkpoint_id": "ckpt-100", "step": 100},
+        last_known_good={
+            "checkpoint_id": "ckpt-100",
+            "step": 100,
+            "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
+        },
     )
     stages = finite_tensors() if tensors is None else tensors
     for stage in STAGES:

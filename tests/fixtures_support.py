@@ -6,6 +6,9 @@ import numpy as np
 
 from nanrunbook.capture import BundleWriter
 
+# The five parts a recovery point verifies together, stated as every caller must.
+RECOVERY = ["model", "optimizer", "scheduler", "scaler", "data_position"]
+
 OWNER = "training-oncall"
 
 
@@ -34,7 +37,7 @@ def finite_writer(probe: str = "probe") -> BundleWriter:
         step=10,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-9", "step": 9},
+        last_known_good={"checkpoint_id": "ckpt-9", "step": 9, "verified_together": RECOVERY},
     )
     for index, stage in enumerate(("input", "forward", "loss", "backward", "optimizer")):
         writer.observe(

@@ -49,8 +49,13 @@ VALID_FIXTURES = (
 )
 
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s+File \"", re.MULTILINE)
-# The brief's shell-safety pattern for every ``--format kv`` line.
-KV_LINE = re.compile(r"^[a-z_]+=[A-Za-z0-9._:@/+=,\[\]$?-]*( [A-Za-z0-9._:@/+=,\[\]$?-]+)?$")
+# The brief's shell-safety pattern for every ``--format kv`` line, and the one
+# appended line it does not cover: ``warning=CODE STAGE#INDEX`` (issue 11), whose
+# ``#`` follows a fixed stage name, never starts a word.
+KV_LINE = re.compile(
+    r"^[a-z_]+=[A-Za-z0-9._:@/+=,\[\]$?-]*( [A-Za-z0-9._:@/+=,\[\]$?-]+)?$"
+    r"|^warning=[A-Z_]+ (input|forward|loss|backward|optimizer)#[0-9]+$"
+)
 
 
 # ---------------------------------------------------------------------- JSON writer

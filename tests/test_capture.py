@@ -3,6 +3,7 @@ refusing what the check rejects with the check's own codes."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import errno
 import json
@@ -29,6 +30,9 @@ from nanrunbook.manifest.content_id import evidence_content_id
 from nanrunbook.records import Counts
 from nanrunbook.tensors.safetensors_write import safetensors_chunks
 
+# The five parts a recovery point verifies together, stated as every caller must.
+RECOVERY = ["model", "optimizer", "scheduler", "scaler", "data_position"]
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("input", "forward", "loss", "backward", "optimizer")
 
@@ -45,7 +49,7 @@ def new_writer(**changes: Any) -> BundleWriter:
         "step": 10,
         "incident_owner": "ml-oncall",
         "binding": items,
-        "last_known_good": {"checkpoint_id": "ckpt-9", "step": 9},
+        "last_known_good": {"checkpoint_id": "ckpt-9", "step": 9, "verified_together": RECOVERY},
     }
     arguments.update(changes)
     return BundleWriter(**arguments)
@@ -337,7 +341,9 @@ def _identifier() -> tuple[BundleWriter, Caps | None]:
 
 
 def _last_known_good() -> tuple[BundleWriter, Caps | None]:
-    w = new_writer(last_known_good={"checkpoint_id": "ckpt-10", "step": 10})
+    w = new_writer(
+        last_known_good={"checkpoint_id": "ckpt-10", "step": 10, "verified_together": RECOVERY}
+    )
     observe_rest(w, start=0)
     return w, None
 
@@ -418,6 +424,27 @@ def test_writer_refuses_with_the_checks_codes(code: str, tmp_path: Path) -> None
     with pytest.raises(EvidenceRejected) as rejected:
         check_bundle(materialize(w, tmp_path / "raw"), caps=caps)
     assert set(refused.value.codes) == set(rejected.value.codes)
+
+
+def test_the_writer_never_states_a_recovery_point_for_the_caller(tmp_path: Path) -> None:
+    """A last_known_good without verified_together is refused, naming the field: the
+    writer used to fill in all five parts, so a bundle claimed a recovery point that
+    nobody had verified."""
+    unstated = {"checkpoint_id": "ckpt-9", "step": 9}
+    with pytest.raises(ValueError, match="last_known_good needs 'verified_together'"):
+        new_writer(last_known_good=unstated)
+    # What the caller states is what the bundle says, in the caller's order...
+    stated = ["data_position", "scaler", "scheduler", "optimizer", "model"]
+    w = new_writer(last_known_good={**unstated, "verified_together": stated})
+    observe_rest(w, start=0)
+    manifest = json.loads((w.write(tmp_path / "b") / "manifest.json").read_bytes())
+    assert manifest["last_known_good"]["verified_together"] == stated
+    # ...and a partial statement is not completed: the check refuses it as partial.
+    partial = new_writer(last_known_good={**unstated, "verified_together": ["model"]})
+    observe_rest(partial, start=0)
+    with pytest.raises(EvidenceRejected) as refused:
+        partial.write(tmp_path / "partial")
+    assert refused.value.codes == ("LAST_KNOWN_GOOD_INCOMPLETE",)
 
 
 @pytest.mark.parametrize(
@@ -694,3 +721,35 @@ def test_sigkill_at_any_moment_leaves_the_old_bundle_or_the_new_one(tmp_path: Pa
         seen.add(probe)
     assert seen == {"old", "new"}
     assert first_probe(target) == "new"
+
+
+def test_the_writer_imports_no_framework() -> None:
+    """The writer takes bytes and numpy; torch tensors need nanrunbook.capture.torch,
+    which imports the writer (never the reverse) and registers its converter."""
+    writer_source = (ROOT / "nanrunbook" / "capture" / "writer.py").read_text()
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(writer_source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert not any(name.split(".")[0] in {"torch", "jax"} for name in imported), imported
+    assert not any(name.startswith("nanrunbook.capture.torch") for name in imported), imported
+    script = (
+        "import sys, torch\n"
+        "from nanrunbook.capture import as_raw\n"
+        "assert 'nanrunbook.capture.torch' not in sys.modules\n"
+        "try:\n"
+        "    as_raw(torch.ones(2, dtype=torch.bfloat16))\n"
+        "except TypeError as error:\n"
+        "    print(error)\n"
+        "import nanrunbook.capture.torch\n"
+        "print(as_raw(torch.ones(2, dtype=torch.bfloat16)).dtype)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    refusal, dtype = done.stdout.strip().splitlines()
+    assert "import the capture module" in refusal and "nanrunbook.capture.torch" in refusal
+    assert dtype == "BF16"

@@ -20,6 +20,9 @@ from nanrunbook.capture import BundleWriter, as_raw
 from nanrunbook.capture.torch import TORCH_DTYPES, replay_step, tensor_to_raw
 from nanrunbook.records import Counts
 
+# The five parts a recovery point verifies together, stated as every caller must.
+RECOVERY = ["model", "optimizer", "scheduler", "scaler", "data_position"]
+
 BINDING: dict[str, dict[str, Any]] = {
     "checkpoint": {"id": "ckpt-100"},
     "data": {"id": "data-test"},
@@ -31,7 +34,7 @@ IDENTITY: dict[str, Any] = {
     "run_id": "run-torch",
     "step": 101,
     "incident_owner": "ml-oncall",
-    "last_known_good": {"checkpoint_id": "ckpt-100", "step": 100},
+    "last_known_good": {"checkpoint_id": "ckpt-100", "step": 100, "verified_together": RECOVERY},
     "binding": BINDING,
 }
 
@@ -126,7 +129,7 @@ def writer() -> BundleWriter:
         step=101,
         incident_owner="ml-oncall",
         binding=items,
-        last_known_good={"checkpoint_id": "ckpt-100", "step": 100},
+        last_known_good={"checkpoint_id": "ckpt-100", "step": 100, "verified_together": RECOVERY},
     )
 
 

@@ -140,6 +140,9 @@ def test_kv_is_exactly_the_spec_lines() -> None:
         "decision=HOLD",
         "action=hold-and-inspect-gradient-path-and-loss-scaling",
         "root_cause_claim=NONE_SYMPTOM_LOCATION_IS_NOT_CAUSALITY",
+        # Appended after the spec's lines (section 10): the early warnings.
+        "warnings=1",
+        "warning=NEAR_DTYPE_MAX backward#0",
     ]
 
 
@@ -232,7 +235,7 @@ def test_text_report_plain_when_not_a_terminal() -> None:
     assert "grad/layers.0.weight" in result.stdout
     assert "evidence of overflow, not recovery" in result.stdout
     # The report ends with the replay steps, the earliest stage's specifics first.
-    tail = result.stdout[result.stdout.index("Replay checklist") :]
+    tail = result.stdout[result.stdout.index("Checklist (whole runbook: nanrunbook checklist)") :]
     assert tail.index("Backward stage specifics") < tail.index("Reproduce without an update")
 
 

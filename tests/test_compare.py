@@ -216,7 +216,11 @@ def _bundle(path: Path, name: str, dtype: str, data: bytes) -> Path:
         step=3,
         incident_owner="ml-oncall",
         binding=BINDING,
-        last_known_good={"checkpoint_id": "ckpt-2", "step": 2},
+        last_known_good={
+            "checkpoint_id": "ckpt-2",
+            "step": 2,
+            "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
+        },
     )
     shape = (ELEMENTS // 10, 10)
     writer.observe("input", [("x", np.zeros(2, "<f4"), "x")], owner="o", probe_source="p")

@@ -22,11 +22,13 @@ from typer.testing import CliRunner
 
 import nanrunbook
 import nanrunbook.capture
+import nanrunbook.telemetry
 from nanrunbook import EvidenceRejected, check_bundle, report_document
 from nanrunbook._version import __version__
 from nanrunbook.cli import app
 from nanrunbook.codes import CODES
 from nanrunbook.contract import contract_content_id, contract_document
+from nanrunbook.exits import Exit
 from nanrunbook.manifest.content_id import evidence_content_id
 from nanrunbook.verdict.report import rejection_document
 
@@ -209,7 +211,8 @@ def test_every_violation_code_is_in_section_5_and_the_reverse() -> None:
 
 
 def test_exit_codes_are_documented() -> None:
-    assert set(tags(sections(MAN1)["EXIT STATUS"])) == {"0", "1", "2", "3", "4", "130"}
+    assert set(tags(sections(MAN1)["EXIT STATUS"])) == {"0", "1", "2", "3", "4", "5", "130"}
+    assert {str(int(code)) for code in Exit} == set(tags(sections(MAN1)["EXIT STATUS"]))
 
 
 def test_environment_documents_what_is_read() -> None:
@@ -429,7 +432,7 @@ def test_bash_script_registers_the_completion() -> None:
     [
         ("nanrunbook ch", "1", {"check", "checklist"}),
         ("nanrunbook s", "1", {"schema", "seal"}),
-        ("nanrunbook check --f", "2", {"--format"}),
+        ("nanrunbook check --f", "2", {"--format", "--fail-on-warnings"}),
         ("nanrunbook check --format ", "3", {"text", "json", "kv"}),
         ("nanrunbook di", "1", {"diff"}),
         ("nanrunbook diff --req", "2", {"--require-fixed"}),
@@ -520,10 +523,15 @@ def test_readme_lists_the_public_api() -> None:
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
-    # capture.torch and capture.mechanisms need torch to import; read their
-    # __all__ from the source instead.
-    for module in ("torch", "mechanisms"):
-        tree = ast.parse((ROOT / "nanrunbook" / "capture" / f"{module}.py").read_text())
+    public |= {f"nanrunbook.telemetry.{name}" for name in nanrunbook.telemetry.__all__}
+    # capture.torch (a package) and capture.mechanisms need torch to import; read
+    # their __all__ from the source instead.
+    sources = {
+        "torch": ROOT / "nanrunbook" / "capture" / "torch" / "__init__.py",
+        "mechanisms": ROOT / "nanrunbook" / "capture" / "mechanisms.py",
+    }
+    for module, source in sources.items():
+        tree = ast.parse(source.read_text())
         for node in tree.body:
             if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets

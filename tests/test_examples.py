@@ -4,6 +4,8 @@ bundle with replay_step and get HOLD at the stage where the symptom is."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,6 +25,7 @@ EXPECTED = {
         "grad/0.weight",
         "hold-and-inspect-gradient-path-and-loss-scaling",
     ),
+    "sentinel_warmup_blowup.py": ("loss", "loss", "hold-and-inspect-objective-reduction"),
 }
 
 
@@ -42,8 +45,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
 
     def get(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         if name not in done:
-            bundle = tmp_path_factory.mktemp(name.removesuffix(".py")) / "bundle"
-            done[name] = (run(str(EXAMPLES / name), "--out", str(bundle)), bundle)
+            out = tmp_path_factory.mktemp(name.removesuffix(".py")) / "bundle"
+            ran = run(str(EXAMPLES / name), "--out", str(out))
+            # The sentinel's example is given its incident directory; every example
+            # prints where its bundle is.
+            printed = [line for line in ran.stdout.splitlines() if line.startswith("bundle: ")]
+            bundle = Path(printed[-1].removeprefix("bundle: ")) if printed else out
+            done[name] = (ran, bundle)
         return done[name]
 
     return get
@@ -116,6 +124,16 @@ def test_sqrt_zero_example_holds_at_backward_under_a_finite_loss(ran: Ran) -> No
     assert optimizer["counts"]["nan"] > 0  # the update the real step would have applied
 
 
+def test_sentinel_example_warns_before_it_holds(ran: Ran) -> None:
+    done, bundle = ran("sentinel_warmup_blowup.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "GRAD_NORM_SPIKE" in done.stderr  # the log, before the hold
+    [summary] = [line for line in done.stdout.splitlines() if line.startswith("telemetry:")]
+    first_warning, held = (int(n) for n in re.findall(r"step (\d+)", summary))
+    assert first_warning < held
+    assert bundle.name == str(held) and bundle.parent.name == "example-warmup-blowup"
+
+
 def test_fp16_example_warns_that_the_input_is_beyond_the_compute_dtype(ran: Ran) -> None:
     """Issue 11: the float32 batch holds 70354.1 while the compute dtype is F16: the
     cause of the overflow, named on the input, without changing the HOLD."""
@@ -128,3 +146,27 @@ def test_fp16_example_warns_that_the_input_is_beyond_the_compute_dtype(ran: Ran)
     x = report["stages"][0]["tensors"][0]
     assert x["extremes"]["max_abs"] > 65504 >= x["headroom"]["compute"]["max_finite"]
     assert (report["decision"], report["exit_code"]) == ("HOLD", 1)
+
+
+def test_fp16_example_text_report_names_the_input_beyond_f16(ran: Ran) -> None:
+    """Issue 11: the one-screen report shows the warning in its own section and the
+    checklist names the extreme that overflowed F16, with its distance upstream."""
+    done, bundle = ran("fp16_overflow_gradscaler.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    env = {**os.environ, "COLUMNS": "80"}
+    text = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "check", str(bundle)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    ).stdout
+    assert max(len(line) for line in text.splitlines()) <= 80
+    flat = " ".join(text.split())
+    assert "Warnings (1, upstream first) BEYOND_COMPUTE_DTYPE input batch/x: max |value|" in flat
+    assert re.search(
+        r"Inspect upstream finite extremes: batch/x \(input, F32\) reached [\d.]+, 0\.1 bits "
+        r"above F16's max \(the compute dtype\), one stage before the first non-finite tensor\. "
+        r"Warnings upstream: BEYOND_COMPUTE_DTYPE at batch/x \(input\)\.",
+        flat,
+    ), flat

@@ -458,12 +458,16 @@ def test_rich_console_forced_to_a_terminal_prints_markup_literally(
         real_init(self, *args, **{**kwargs, "force_terminal": True, "color_system": "truecolor"})
 
     monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
     monkeypatch.setattr(rich.console.Console, "__init__", forced)
     out = io.StringIO()
     RENDERERS["text"].report(check_bundle(build("hostile_probe_texts")), out)
     assert "\x1b[" in out.getvalue()
     assert _escapes_other_than_sgr(out.getvalue()) == []
-    assert HOSTILE_TEXT in strip_sgr(out.getvalue())
+    plain = strip_sgr(out.getvalue())
+    # The report wraps to 80 columns; undoing the wrap gives the text back whole.
+    assert max(len(line) for line in plain.splitlines()) <= 80
+    assert HOSTILE_TEXT in " ".join(plain.split())
 
 
 def test_markup_in_an_unknown_key_is_quoted_in_rejections(build: Callable[[str], Path]) -> None:
@@ -480,7 +484,10 @@ def test_kv_output_of_hostile_text_is_shell_safe(case: str, build: Callable[[str
     result = run_cli(build(case), "kv")
     assert result.code == 1
     lines = result.stdout.splitlines()
-    assert len(lines) == 10
+    # The spec's ten lines, then the appended warnings: the warned tensor (renamed
+    # to markup and shell text in hostile_tensor_name) by its index, never its name.
+    assert len(lines) == 12
+    assert lines[10:] == ["warnings=1", "warning=NEAR_DTYPE_MAX backward#0"]
     for line in lines:
         assert KV_LINE.fullmatch(line), line
     assert "$(" not in result.stdout and "`" not in result.stdout

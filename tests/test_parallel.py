@@ -44,6 +44,9 @@ from nanrunbook.tensors.counting import extremes_bytes, tally_bytes
 from nanrunbook.tensors.scan import CHUNK_SIZE, ScanJob, ShortRead, TensorScan, scan_all, scan_range
 from nanrunbook.tensors.verify import verify_bundle
 
+# The five parts a recovery point verifies together, stated as every caller must.
+RECOVERY = ["model", "optimizer", "scheduler", "scaler", "data_position"]
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "C64": 8}
 NUMPY = {
@@ -322,7 +325,7 @@ def big_writer(tmp_path: Path) -> Path:
         step=5,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-9", "step": 4},
+        last_known_good={"checkpoint_id": "ckpt-9", "step": 4, "verified_together": RECOVERY},
     )
     per_chunk = CHUNK_SIZE // 2
     grad = rng.standard_normal(per_chunk + 100).astype(ml_dtypes.bfloat16)

@@ -36,7 +36,11 @@ IDENTITY: dict[str, Any] = {
     "run_id": "run-replays",
     "step": 41,
     "incident_owner": "ml-oncall",
-    "last_known_good": {"checkpoint_id": "ckpt-40", "step": 40},
+    "last_known_good": {
+        "checkpoint_id": "ckpt-40",
+        "step": 40,
+        "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
+    },
     "binding": BINDING,
 }
 

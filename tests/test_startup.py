@@ -97,3 +97,24 @@ def test_importtime_of_help_names_no_numpy() -> None:
     }
     assert "nanrunbook.cli" in imported
     assert not tops(imported) & {"numpy", "torch", "rich"}
+
+
+def test_watch_help_loads_no_plotting_numpy_rich_or_torch() -> None:
+    code, modules = loaded("watch", "--help")
+    assert code in (0, None)
+    assert not tops(modules) & {"numpy", "torch", "rich", "plotille", "safetensors"}
+
+
+def test_kv_watch_loads_no_plotting_rich_numpy_or_torch(tmp_path: Path) -> None:
+    telemetry = tmp_path / "t.jsonl"
+    telemetry.write_bytes(b"")
+    code, modules = loaded("watch", "--format", "kv", str(telemetry))
+    assert code == 3  # no record
+    assert not tops(modules) & {"plotille", "rich", "numpy", "torch", "logging"}
+
+
+def test_other_commands_load_no_telemetry_or_plotting() -> None:
+    code, modules = loaded("check", "--format", "kv", TINY)
+    assert code == 0
+    assert "plotille" not in tops(modules)
+    assert not {"nanrunbook.telemetry.sinks", "nanrunbook.telemetry.summary"} & modules

@@ -251,9 +251,23 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
     raw = read_manifest_bytes(path)
     tree = load_manifest_bytes(raw)
     result = SealResult()
-    differs: list[Violation] = []
     original_id = evidence_content_id(tree)
+    differs = _seal_digests(path, tree, result, force=force)
+    differs += _seal_content_id(tree, original_id, result, force=force)
+    if differs:
+        raise EvidenceRejected(differs)
+    if result.filled or result.replaced or result.content_id != "verified":
+        _rewrite(path, raw, tree)
+        result.written = True
+    return result
 
+
+def _seal_digests(
+    path: Path, tree: dict[str, Any], result: SealResult, *, force: bool
+) -> list[Violation]:
+    """Fill, verify or (forced) replace each complete-stage tensor's sha256 in
+    ``tree``; the values that differ when not forced."""
+    differs: list[Violation] = []
     entries = list(_complete_entries(tree))
     files = _Files(path, (entry for _, entry in entries))
     try:
@@ -280,7 +294,14 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
                 )
     finally:
         files.close()
+    return differs
 
+
+def _seal_content_id(
+    tree: dict[str, Any], original_id: str, result: SealResult, *, force: bool
+) -> list[Violation]:
+    """Fill, verify, reseal or (forced) replace the evidence content id of the
+    digest-sealed ``tree``; the id when it differs and is not forced."""
     sealed_id = evidence_content_id(tree)
     declared = tree.get(EVIDENCE_ID_KEY)
     if EVIDENCE_ID_KEY not in tree:
@@ -295,34 +316,34 @@ def seal_bundle(bundle: str | os.PathLike[str], *, force: bool = False) -> SealR
             Replacement(child_path("$", EVIDENCE_ID_KEY), _shown_id(declared), sealed_id)
         )
     else:
-        differs.append(
+        return [
             Violation(
                 "SEAL_VALUE_DIFFERS",
                 child_path("$", EVIDENCE_ID_KEY),
                 f"declared {_shown_id(declared)}, the manifest's content seals to {sealed_id}",
             )
-        )
-    if differs:
-        raise EvidenceRejected(differs)
+        ]
     _insert(tree, EVIDENCE_ID_KEY, sealed_id, _TOP_KEY_ORDER)
+    return []
 
-    if result.filled or result.replaced or result.content_id != "verified":
-        import orjson
 
-        indented = b"\n" in raw.strip()
-        data = orjson.dumps(tree, option=orjson.OPT_INDENT_2 if indented else 0)
-        if raw.endswith(b"\n"):
-            data += b"\n"
-        if read_manifest_bytes(path) != raw:
-            raise EvidenceRejected(
-                [
-                    Violation(
-                        "SEAL_MANIFEST_CHANGED",
-                        MANIFEST_NAME,
-                        "manifest.json changed while it was sealed; nothing written",
-                    )
-                ]
-            )
-        atomic_write(path / MANIFEST_NAME, data)
-        result.written = True
-    return result
+def _rewrite(path: Path, raw: bytes, tree: dict[str, Any]) -> None:
+    """Write ``tree`` over manifest.json atomically, in the original's layout
+    (indented or compact, final newline kept), unless the file changed meanwhile."""
+    import orjson
+
+    indented = b"\n" in raw.strip()
+    data = orjson.dumps(tree, option=orjson.OPT_INDENT_2 if indented else 0)
+    if raw.endswith(b"\n"):
+        data += b"\n"
+    if read_manifest_bytes(path) != raw:
+        raise EvidenceRejected(
+            [
+                Violation(
+                    "SEAL_MANIFEST_CHANGED",
+                    MANIFEST_NAME,
+                    "manifest.json changed while it was sealed; nothing written",
+                )
+            ]
+        )
+    atomic_write(path / MANIFEST_NAME, data)

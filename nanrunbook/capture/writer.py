@@ -5,21 +5,24 @@ Counts, digests and magnitudes come from the same engine ``check`` uses, and
 place: the writer refuses exactly what the check would reject, with the same
 violation codes.
 
-Tensors are taken as numpy arrays (``ml_dtypes`` ones included), torch tensors
-of any device and dtype (see :mod:`nanrunbook.capture.torch`) or
-:class:`RawTensor` bytes. Each is copied to host bytes when it is observed, so
-later in-place changes to the live tensor do not alter the evidence.
+Tensors are taken as numpy arrays (``ml_dtypes`` ones included),
+:class:`RawTensor` bytes, or a framework's tensors once that framework's capture
+module has registered its converter (importing :mod:`nanrunbook.capture.torch`
+registers torch tensors of any device and dtype). The writer imports no
+framework: framework modules import the writer, never the reverse. Each tensor
+is copied to host bytes when it is observed, so later in-place changes to the
+live tensor do not alter the evidence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanrunbook.capture.atomic import atomic_directory, write_synced
 from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
@@ -32,30 +35,58 @@ from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path
 from nanrunbook.tensors.counting import combine, tally_bytes
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
-__all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw"]
+if TYPE_CHECKING:
+    from nanrunbook.verdict.report import Report
+
+__all__ = ["NUMPY_DTYPES", "BundleWriter", "RawTensor", "as_raw", "register_converter"]
 
 TENSOR_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
+# A framework's tensor type -> its converter to RawTensor; filled by the framework
+# capture modules when they are imported (nanrunbook.capture.torch for torch).
+_CONVERTERS: dict[type, Callable[[Any], RawTensor]] = {}
+
+
+def register_converter(kind: type, convert: Callable[[Any], RawTensor]) -> None:
+    """Let :func:`as_raw` (and so :class:`BundleWriter`) take instances of ``kind``
+    (subclasses included): ``convert(value)`` returns the stored bytes."""
+    _CONVERTERS[kind] = convert
+
+
+def _converter(value: Any) -> Callable[[Any], RawTensor] | None:
+    for kind in type(value).__mro__:
+        if kind in _CONVERTERS:
+            return _CONVERTERS[kind]
+    return None
+
+
 def as_raw(value: Any) -> RawTensor:
-    """A numpy array (or anything ``numpy.asarray`` takes), a torch tensor of any
-    device, or a RawTensor, as the bytes safetensors stores.
+    """A numpy array (or anything ``numpy.asarray`` takes), a RawTensor, or a
+    tensor of a framework whose converter is registered, as the bytes
+    safetensors stores.
 
     ``ml_dtypes.float4_e2m1fn`` arrays (one element per byte) are packed two to a
     byte, the first element in the low nibble, as torch's ``float4_e2m1fn_x2``
-    packs them. Raises TypeError for a dtype safetensors has no name for.
+    packs them. Raises TypeError for a dtype safetensors has no name for, and
+    for a framework tensor whose capture module was not imported.
     """
     if isinstance(value, RawTensor):
         return value
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        from nanrunbook.capture.torch import tensor_to_raw
-
-        return tensor_to_raw(value)
+    convert = _converter(value)
+    if convert is not None:
+        return convert(value)
     import numpy as np
 
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        kind = f"{type(value).__module__}.{type(value).__name__}"
+        raise TypeError(
+            f"cannot take a {kind} as tensor bytes ({error}); import the capture module"
+            " of its framework first (nanrunbook.capture.torch for torch) or pass a RawTensor"
+        ) from None
     shape = tuple(int(d) for d in array.shape)
     if array.dtype.name == DTYPES["F4"].numpy:  # unpacked: one element per byte
         if array.size % 2:
@@ -106,9 +137,14 @@ class BundleWriter:
         self.step = step
         self.incident_owner = incident_owner
         self.binding = {name: dict(fields) for name, fields in binding.items()}
-        lkg = dict(last_known_good)
-        lkg.setdefault("verified_together", list(RECOVERY_PARTS))
-        self.last_known_good = lkg
+        if "verified_together" not in last_known_good:
+            # Never assumed: a bundle would claim a recovery point nobody verified.
+            raise ValueError(
+                "last_known_good needs 'verified_together': which of "
+                f"{', '.join(RECOVERY_PARTS)} the checkpoint verified together"
+                " (the writer does not assume it)"
+            )
+        self.last_known_good = dict(last_known_good)
         self.evidence_id = evidence_id or f"{run_id}.step-{step}"
         self._stages: list[dict[str, Any]] = []
         self._tensors: list[_Captured] = []
@@ -305,6 +341,14 @@ class BundleWriter:
         is false. ``overwrite`` replaces only a directory holding a manifest.json
         (a bundle), in one atomic swap where the system supports it.
         """
+        self.write_checked(target, overwrite=overwrite, caps=caps)
+        return Path(target)
+
+    def write_checked(
+        self, target: str | Path, *, overwrite: bool = False, caps: Caps | None = None
+    ) -> Report:
+        """:meth:`write`, returning the check's report on the bundle now at ``target``
+        (the check made on the finished files before they were moved there)."""
         import orjson
 
         from nanrunbook.check import check_bundle
@@ -325,8 +369,8 @@ class BundleWriter:
                     safetensors_chunks([(c.name, c.tensor) for c in self._tensors]),
                 )
             write_synced(temp / MANIFEST_FILE, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)])
-            check_bundle(temp, caps=caps)  # raises EvidenceRejected; the temp is removed
-        return target
+            report = check_bundle(temp, caps=caps)  # raises EvidenceRejected; temp removed
+        return dataclasses.replace(report, bundle=str(target))
 
 
 def _json_value(value: Any, path: str, violations: list[Violation]) -> Any:

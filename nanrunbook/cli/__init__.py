@@ -7,7 +7,14 @@ the result to the renderer named by ``--format``. Exit codes: nanrunbook.exits.
 
 from __future__ import annotations
 
-from nanrunbook.cli import check, diff, documents, seal  # noqa: F401  (each registers its commands)
+from nanrunbook.cli import (  # noqa: F401  (each registers its commands)
+    check,
+    diff,
+    documents,
+    merge,
+    seal,
+    watch,
+)
 from nanrunbook.cli.app import app, entry_point
 
 __all__ = ["app", "entry_point"]

@@ -124,8 +124,8 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort):
-            raise
+        except (typer.Exit, typer.Abort, typer.BadParameter):
+            raise  # BadParameter: a usage error found in the command's body (exit 2)
         except KeyboardInterrupt:
             sys.stderr.write("nanrunbook: interrupted\n")
             raise typer.Exit(Exit.INTERRUPTED) from None

@@ -52,7 +52,9 @@ def contract(
     RENDERERS[format.value].contract(contract_document(caps), contract_content_id(caps), sys.stdout)
 
 
-@command("Print the replay runbook: containment, mixed-precision order, replay, hardening.")
+@command(
+    "Print the whole runbook: containment, mixed precision, replay, hardening, after CONTINUE."
+)
 @guarded
 def checklist(
     stage: Annotated[
@@ -62,7 +64,10 @@ def checklist(
         DocFormat, typer.Option("--format", "-f", help="Output format.")
     ] = DocFormat.text,
 ) -> None:
-    """Print the replay runbook: containment, mixed-precision order, replay, hardening.
+    """Print the whole runbook: containment, mixed precision, replay, hardening, after CONTINUE.
+
+    A report (check) carries only the steps its verdict calls for, naming its
+    evidence; this prints them all.
 
     Example: nanrunbook checklist --stage backward
     """

@@ -1,4 +1,5 @@
-"""Check a bundle and write its verdict: what the ``check`` and ``seal`` commands share.
+"""Check a bundle and write its verdict: what the ``check``, ``seal`` and ``merge``
+commands share.
 
 The exit code is the verdict (0 CONTINUE, 1 HOLD, 3 rejected) even when the
 reader of the output went away (``| head``, ``grep -q``): a CI gate reads the
@@ -9,46 +10,102 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from nanrunbook.contract import Caps
 from nanrunbook.errors import EvidenceRejected
 
-__all__ = ["emit", "emit_rejection", "judge", "silence"]
+if TYPE_CHECKING:
+    from nanrunbook.output.base import Renderer
+    from nanrunbook.verdict.precision import WarningThresholds
+
+__all__ = ["emit", "emit_rejection", "judge", "judge_many", "silence"]
 
 
 def judge(
-    bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None, progress: bool = False
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    progress: bool = False,
+    brief: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
 ) -> int:
-    """Check ``bundle``, write the report or rejection in ``fmt`` to ``out``, and
-    return the exit code. ``progress`` shows the read's bar on stderr at a terminal;
-    it is erased before anything is written to ``out``."""
-    from nanrunbook.check import check_bundle
+    """Check ``bundle`` (a bundle, or an incident set of rank bundles), write the
+    verdict in ``fmt`` to ``out``, and return the exit code. ``progress`` shows the
+    read's bar on stderr at a terminal; it is erased before anything is written to
+    ``out``. ``brief`` (text only) writes at most six lines. ``fail_on_warnings``
+    turns a CONTINUE with warnings into exit 5."""
+    from nanrunbook.check_set import check_path
+    from nanrunbook.output.progress import check_progress
+    from nanrunbook.verdict.incident_set import IncidentSet
+
+    with check_progress(progress) as bar:
+        outcome = check_path(bundle, caps=caps, progress=bar, thresholds=thresholds)
+    renderer = _renderer(fmt, brief)
+    if isinstance(outcome, IncidentSet):
+        emit(functools.partial(renderer.incident_set, outcome, out), out)
+    else:
+        emit(functools.partial(renderer.judgement, outcome, out), out)
+    return outcome.exit_code_for(fail_on_warnings=fail_on_warnings)
+
+
+def judge_many(
+    paths: Sequence[Path],
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    progress: bool = False,
+    thresholds: WarningThresholds | None = None,
+    fail_on_warnings: bool = False,
+) -> int:
+    """Check each path on its own, in order; write every verdict at once in ``fmt``
+    and return the most severe exit code (3, then 1, then 5, then 0)."""
+    from nanrunbook.check_set import check_path
+    from nanrunbook.exits import most_severe
     from nanrunbook.output.progress import check_progress
     from nanrunbook.output.renderers import RENDERERS
 
-    try:
+    outcomes = []
+    for path in paths:
         with check_progress(progress) as bar:
-            report = check_bundle(bundle, caps=caps, progress=bar)
-    except EvidenceRejected as error:
-        return emit_rejection(error, bundle, fmt, out, caps=caps)
-    emit(functools.partial(RENDERERS[fmt].report, report, out), out)
-    return report.exit_code
+            outcomes.append(check_path(path, caps=caps, progress=bar, thresholds=thresholds))
+    emit(functools.partial(RENDERERS[fmt].many, outcomes, out), out)
+    codes = (outcome.exit_code_for(fail_on_warnings=fail_on_warnings) for outcome in outcomes)
+    return most_severe(codes)
 
 
 def emit_rejection(
-    error: EvidenceRejected, bundle: Path, fmt: str, out: IO[str], *, caps: Caps | None = None
+    error: EvidenceRejected,
+    bundle: Path,
+    fmt: str,
+    out: IO[str],
+    *,
+    caps: Caps | None = None,
+    brief: bool = False,
 ) -> int:
     """Write a rejection in ``fmt``; return its exit code."""
     from nanrunbook.contract import contract_content_id
-    from nanrunbook.output.renderers import RENDERERS
 
-    renderer = RENDERERS[fmt]
+    renderer = _renderer(fmt, brief)
     content_id = contract_content_id(caps)
     emit(functools.partial(renderer.rejection, error, str(bundle), content_id, out), out)
     return error.exit_code
+
+
+def _renderer(fmt: str, brief: bool) -> Renderer:
+    from nanrunbook.output.renderers import RENDERERS
+    from nanrunbook.output.text import TextRenderer
+
+    if brief:
+        assert fmt == "text", "--brief is refused with other formats before the check"
+        return TextRenderer(brief=True)
+    return RENDERERS[fmt]
 
 
 def emit(write: Callable[[], None], out: IO[str]) -> None:

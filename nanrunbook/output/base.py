@@ -8,15 +8,18 @@ Every method writes to ``out``; nothing is returned.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
+from nanrunbook.verdict.incident_set import IncidentSet, Outcome
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["Renderer"]
 
@@ -45,5 +48,27 @@ class Renderer(ABC):
         """The contract document in force (``contract``)."""
 
     @abstractmethod
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        """An incident set's verdict, one row per rank (``check`` on a set, ``merge``)."""
+
+    @abstractmethod
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        """Several paths judged each on its own (``check A/ B/ C/``), in the order given."""
+
+    @abstractmethod
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        """One bundle's report or rejection; in json a rejection carries what the
+        rejected manifest declares (so ``merge`` can place its rank)."""
+
+    @abstractmethod
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:
         """Two bundles compared (``diff``), or the rejection of one side or both."""
+
+    @abstractmethod
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        """What a telemetry file says about the run (``watch``); ``plots`` asks
+        for the terminal plots where the format has them (text)."""
+
+    @abstractmethod
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        """One thing that happened while following a telemetry file (``watch --follow``)."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
+from nanrunbook.verdict.incident_set import IncidentSet, Outcome, set_document
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import (
     Report,
     checklist_document,
@@ -19,8 +21,9 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
-__all__ = ["JsonRenderer", "json_text"]
+__all__ = ["JsonRenderer", "json_text", "outcome_document"]
 
 
 def json_text(document: Any) -> str:
@@ -56,3 +59,36 @@ class JsonRenderer(Renderer):
             out.write(json_text(diff_rejection_document(result)))
         else:
             out.write(json_text(diff_document(result)))
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.telemetry.document import watch_document
+
+        out.write(json_text(watch_document(summary)))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.telemetry.document import event_document
+
+        # One compact object per line, flushed: a live stream for jq or a log shipper.
+        out.write(orjson.dumps(event_document(event)).decode() + "\n")
+        out.flush()
+
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        out.write(json_text(set_document(result)))
+
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        out.write(json_text([outcome_document(outcome) for outcome in outcomes]))
+
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        out.write(json_text(outcome_document(judgement)))
+
+
+def outcome_document(outcome: Outcome) -> dict[str, Any]:
+    """One path's document: a set's, a report, or a rejection (with what it declares)."""
+    if isinstance(outcome, IncidentSet):
+        return set_document(outcome)
+    if outcome.report is not None:
+        return report_document(outcome.report)
+    assert outcome.rejection is not None
+    return rejection_document(
+        outcome.rejection, outcome.bundle, outcome.contract_content_id, outcome.declared
+    )

@@ -6,20 +6,31 @@ free text from a manifest; untrusted key names in a violation's path become ``[?
 
 from __future__ import annotations
 
+import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import CONTRACT_VERSION
 from nanrunbook.errors import EvidenceRejected
+from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.output.base import Renderer
+from nanrunbook.verdict.incident_set import (
+    REJECTED,
+    IncidentSet,
+    Outcome,
+    SetViolation,
+    rank_list,
+)
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
-__all__ = ["KvRenderer", "kv_where"]
+__all__ = ["KvRenderer", "kv_set_where", "kv_where"]
 
 _KV_SAFE_WHERE = re.compile(r"[A-Za-z0-9._/+=@:,\[\]$-]+")
 _QUOTED_SEGMENT = re.compile(r"\['(?:[^'\\]|\\.)*'\]|\[\"(?:[^\"\\]|\\.)*\"\]")
@@ -31,6 +42,15 @@ def kv_where(where: str) -> str:
     if _KV_SAFE_WHERE.fullmatch(where):
         return where
     return _KV_UNSAFE_CHAR.sub("?", _QUOTED_SEGMENT.sub("[?]", where)) or "?"
+
+
+def kv_set_where(violation: SetViolation) -> str:
+    """A set violation's WHERE (spec section 11): ``.`` for the whole set, else the
+    member's name, ``[?]`` unless an identifier, then the violation's own path."""
+    if violation.member is None:
+        return "."
+    name = violation.member if IDENTIFIER.fullmatch(violation.member) else "[?]"
+    return name if violation.path is None else f"{name}/{kv_where(violation.path)}"
 
 
 def _write(lines: list[str], out: IO[str]) -> None:
@@ -56,6 +76,10 @@ class KvRenderer(Renderer):
             f"decision={decision.decision}",
             f"action={decision.action}",
             f"root_cause_claim={decision.root_cause_claim}",
+            # Appended after the spec's lines (section 10 allows it). A tensor name
+            # is not shell-safe; its index in the stage is.
+            f"warnings={len(report.warnings)}",
+            *(f"warning={w.code} {w.stage}#{w.index}" for w in report.warnings),
         ]
         _write(lines, out)
 
@@ -123,3 +147,63 @@ class KvRenderer(Renderer):
             f"first_divergence_stage={first.base_stage if first else 'none'}",
         ]
         _write(lines, out)
+
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        """Exactly the lines of spec section 11, in its order."""
+        lines = [
+            f"contract_version={result.contract_version}",
+            f"contract_content_id={result.contract_content_id}",
+        ]
+        if result.decision == REJECTED:
+            lines += ["decision=REJECTED", f"violations={len(result.violations)}"]
+            lines += [f"violation={v.code} {kv_set_where(v)}" for v in result.violations]
+            _write(lines, out)
+            return
+        lines += [
+            f"run={result.run_id}",
+            f"step={result.step}",
+            f"world_size={result.world_size}",
+            f"ranks_present={result.ranks_present}",
+            f"missing_ranks={rank_list(result.missing)}",
+            f"rejected_members={result.rejected_members}",
+            f"earliest_nonfinite={result.earliest_nonfinite_stage or 'none'}",
+            f"origin_ranks={','.join(map(str, result.origin_ranks)) or 'none'}",
+            f"origin={result.origin}",
+            f"decision={result.decision}",
+            f"action={result.action}",
+            f"root_cause_claim={result.root_cause_claim}",
+        ]
+        _write(lines, out)
+
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        """``checked=N``, then each path's own lines, as one path prints them, with
+        its position in the arguments as a prefix: ``1.decision=HOLD``."""
+        lines = [f"checked={len(outcomes)}"]
+        for position, outcome in enumerate(outcomes, start=1):
+            one = io.StringIO()
+            if isinstance(outcome, IncidentSet):
+                self.incident_set(outcome, one)
+            else:
+                self.judgement(outcome, one)
+            lines += [f"{position}.{line}" for line in one.getvalue().splitlines()]
+        _write(lines, out)
+
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        if judgement.report is not None:
+            self.report(judgement.report, out)
+        else:
+            assert judgement.rejection is not None
+            self.rejection(
+                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
+            )
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from nanrunbook.output.watch_kv import summary_lines
+
+        _write(summary_lines(summary), out)
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from nanrunbook.output.watch_kv import event_value
+
+        out.write(f"event={event_value(event)}\n")
+        out.flush()

@@ -40,6 +40,13 @@ class ByteProgress:
         self._done = 0
         self._began = time.monotonic()
 
+    def extend(self, total: int) -> None:
+        """More bytes to read under the same bar: the members of an incident set
+        each add theirs as their read begins."""
+        self._total += total
+        if self._bar is not None:
+            self._bar.update(self._task, total=self._total)
+
     def __call__(self, nbytes: int) -> None:
         self._done += nbytes
         if self._bar is None:

@@ -9,24 +9,33 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
-from nanrunbook.errors import EvidenceRejected
+from nanrunbook.errors import EvidenceRejected, quote
+from nanrunbook.exits import most_severe
 from nanrunbook.output.base import Renderer
-from nanrunbook.records import StageFinding
+from nanrunbook.records import StageFinding, TensorFinding
+from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
+from nanrunbook.verdict.incident_set import (
+    REJECTED,
+    IncidentSet,
+    Outcome,
+    SetMember,
+    SetViolation,
+    rank_list,
+)
+from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
+    from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
 __all__ = ["TextRenderer"]
-
-
-def _magnitude(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
 
 
 @functools.cache
@@ -43,21 +52,62 @@ def _verdict_console() -> Any:
     return VerdictConsole
 
 
+@functools.cache
+def _trimmed() -> Any:
+    """A wrapper that drops the spaces rich pads table and grid lines with: a line of
+    the report ends where its text ends, in a log as at a terminal."""
+    from rich.segment import Segment
+
+    class Trimmed:
+        def __init__(self, renderable: Any) -> None:
+            self.renderable = renderable
+
+        def __rich_console__(self, console: Any, options: Any) -> Any:
+            for line in console.render_lines(self.renderable, options, pad=False):
+                while line and not line[-1].control and not line[-1].text.rstrip():
+                    line.pop()
+                if line and not line[-1].control:
+                    last = line.pop()
+                    line.append(Segment(last.text.rstrip(), last.style, last.control))
+                yield from line
+                yield Segment.line()
+
+    return Trimmed
+
+
+def _show(console: Any, renderable: Any = "") -> None:
+    """Print ``renderable`` wrapped to the console's width, without trailing spaces."""
+    if renderable == "":
+        console.print()
+    else:
+        console.print(_trimmed()(renderable), soft_wrap=False)
+
+
 class TextRenderer(Renderer):
-    """The on-call view, through rich; colour only on a terminal without NO_COLOR."""
+    """The on-call view, through rich; colour only on a terminal without NO_COLOR.
+
+    Lines wrap to the console's width (the terminal's, COLUMNS, or 80 when not a
+    terminal); ``width`` fixes it. ``brief`` prints at most six unwrapped lines.
+    """
 
     name = "text"
 
-    def __init__(self, *, force_terminal: bool | None = None) -> None:
+    def __init__(
+        self, *, force_terminal: bool | None = None, width: int | None = None, brief: bool = False
+    ) -> None:
         self.force_terminal = force_terminal
+        self.width = width
+        self.brief = brief
 
     def _console(self, out: IO[str]) -> Any:
         # rich drops styles when ``out`` is not a terminal; NO_COLOR (any
         # non-empty value, no-color.org) turns off every escape sequence, bold
-        # included. Soft wrapping keeps ids and messages whole in logs.
+        # included. Soft wrapping keeps ids and messages whole where a caller
+        # prints directly; the report wraps to the width through _show.
         plain = bool(os.environ.get("NO_COLOR"))
         return _verdict_console()(
             file=out,
+            width=self.width,
             highlight=False,
             emoji=False,
             soft_wrap=True,
@@ -66,84 +116,20 @@ class TextRenderer(Renderer):
         )
 
     def report(self, report: Report, out: IO[str]) -> None:
-        from rich.table import Table
-        from rich.text import Text
-
         console = self._console(out)
-        decision = report.decision
-        manifest = report.manifest
-        style = "bold red" if decision.decision == HOLD else "bold green"
-        console.print(Text.assemble(("nanrunbook check: ", "bold"), (decision.decision, style)))
-        facts = [
-            ("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
-            ("first non-finite tensor", _first_tensor(report)),
-            ("action", decision.action),
-            ("root cause claim", decision.root_cause_claim),
-            ("run", f"{manifest.run_id} step {manifest.step}"),
-            ("evidence", manifest.evidence_id),
-            ("incident owner", manifest.incident_owner),
-            ("evidence content id", manifest.evidence_content_id),
-            ("contract", f"{report.contract_version} {report.contract_content_id}"),
-        ]
-        width = max(len(label) for label, _ in facts)
-        for label, value in facts:
-            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
-        console.print(Text("  The symptom's location is not its cause.", style="italic"))
-        console.print()
-
-        numeric = ("elements", "finite", "nan", "+inf", "-inf", "max abs")
-        table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
-        for column in ("stage", "status", "counts", *numeric):
-            table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
-        for stage in report.stages:
-            counts = stage.counts
-            values = (
-                (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf)
-                if counts is not None
-                else ("-",) * 5
-            )
-            cells = [
-                stage.stage,
-                stage.status,
-                stage.counts_source or "-",
-                *(str(v) for v in values),
-                _magnitude(report.reported_magnitude(stage, stage.finite_max_abs)),
-            ]
-            row_style = "red" if counts is not None and counts.nonfinite else ""
-            table.add_row(*(Text(c) for c in cells), style=row_style)
-        console.print(table)
-        for stage in report.stages:
-            record = stage.record
-            line = f"  {stage.stage}: owner {record.owner}, telemetry {record.telemetry_id}, "
-            line += f"probe source: {record.probe_source}"
-            console.print(Text(line))
-            if record.status == "NOT_RUN":
-                console.print(Text(f"    NOT_RUN: {record.reason or ''}"))
-            elif stage.counts is not None and stage.counts.nonfinite:
-                console.print(Text(f"    first non-finite tensor: {_stage_first_tensor(stage)}"))
-            if record.gradients == "scaled":
-                console.print(
-                    Text(
-                        f"    scaled gradients: magnitudes shown divided by the scale {report.scaler.scale:g}"
-                    )
-                )
-        console.print(Text(_scaler_line(report)))
-        lkg = manifest.last_known_good
-        console.print(
-            Text(
-                f"last known-good: {lkg.checkpoint_id} at step {lkg.step} "
-                f"({', '.join(lkg.verified_together)} verified together)"
-            )
+        if self.brief:
+            _print_unwrapped(console, _brief_lines(report))
+            return
+        _print_verdict(console, report)
+        _print_stages(console, report)
+        if report.decision.earliest_nonfinite_stage is None:
+            _print_probes(console, report)
+        else:
+            _print_earliest_stage(console, report)
+        _print_warnings(console, report)
+        _print_sections(
+            console, report.checklist, heading="Checklist (whole runbook: nanrunbook checklist)"
         )
-        console.print()
-        console.print(
-            Text(
-                "Containment: hold the update, preserve the boundary, mark the last known-good "
-                "state, choose replay authority (full runbook: nanrunbook checklist)."
-            )
-        )
-        replay = tuple(s for s in report.checklist if s.id.startswith("stage-") or s.id == "replay")
-        _print_sections(console, replay, heading="Replay checklist")
 
     def rejection(
         self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
@@ -152,19 +138,24 @@ class TextRenderer(Renderer):
 
         console = self._console(out)
         count = len(error.violations)
-        console.print(
-            Text.assemble(
-                ("nanrunbook check: ", "bold"),
-                ("REJECTED", "bold yellow"),
-                f" - {count} violation{'s' if count != 1 else ''}; no decision is made on this evidence",
-            )
+        headline = Text.assemble(
+            ("nanrunbook check: ", "bold"),
+            ("REJECTED", "bold yellow"),
+            f" - {count} violation{'s' if count != 1 else ''}; no decision is made on this evidence",
         )
-        for violation in error.violations:
-            console.print(
-                Text.assemble(
-                    ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
-                )
+        if self.brief:
+            _print_unwrapped(
+                console, [headline, *_brief_violations(error), _fact_line("bundle", bundle)]
             )
+            return
+        _show(console, headline)
+        _show(console, _grid([("bundle", Text(bundle))]))
+        for violation in error.violations:
+            _show(
+                console,
+                _indented(Text.assemble((violation.code, "yellow"), f" {violation.where}"), 2),
+            )
+            _show(console, _indented(Text(_shorten_digests(violation.message)), 4))
 
     def checklist(self, sections: tuple[Section, ...], out: IO[str]) -> None:
         _print_sections(self._console(out), sections, heading="nanrunbook replay checklist")
@@ -215,11 +206,235 @@ class TextRenderer(Renderer):
         _diff_stages(console, result)
         _diff_tensor_lists(console, result)
 
+    def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
+        from rich.text import Text
 
-def _stage_first_tensor(stage: StageFinding) -> str:
-    if stage.counts_source != "recounted":
-        return "unknown (a summary has no per-tensor counts)"
-    return stage.first_nonfinite_tensor or "-"
+        console = self._console(out)
+        command = "nanrunbook check" if result.path is not None else "nanrunbook merge"
+        headline = Text.assemble((f"{command}: ", "bold"), *_set_headline(result))
+        if self.brief:
+            _print_unwrapped(console, [headline, *_brief_set_lines(result)])
+            return
+        console.print(headline)
+        if result.decision == REJECTED:
+            _print_set_rejection(console, result)
+        else:
+            facts = _set_facts(result)
+            width = max(len(label) for label, _ in facts)
+            for label, value in facts:
+                console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+            console.print(Text("  The symptom's location is not its cause.", style="italic"))
+        console.print()
+        for line in _rank_lines(result):
+            console.print(line)
+        if result.path is not None and result.members:
+            command = f"nanrunbook check --format json {quote(result.path)}"
+            console.print(Text(f"Every member's whole report: {command}"))
+        if result.decision == HOLD:
+            console.print(
+                Text(
+                    "Containment: hold the update on every rank, preserve each rank's boundary,"
+                    " mark the last known-good state, choose replay authority; replay from the"
+                    " origin ranks (full runbook: nanrunbook checklist --stage"
+                    f" {result.earliest_nonfinite_stage})."
+                )
+            )
+
+    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        width = max(len(_outcome_decision(o)) for o in outcomes)
+        for outcome in outcomes:
+            decision = _outcome_decision(outcome)
+            console.print(
+                Text.assemble(
+                    (f"{decision:<{width}}", _DECISION_STYLE.get(decision, "")),
+                    f"  {_outcome_line(outcome)}",
+                )
+            )
+        counts = {d: sum(_outcome_decision(o) == d for o in outcomes) for d in _DECISION_STYLE}
+        tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
+        code = most_severe(o.exit_code for o in outcomes)
+        console.print(Text(f"{len(outcomes)} checked: {tally}; exit {code}, the most severe"))
+
+    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
+        if judgement.report is not None:
+            self.report(judgement.report, out)
+        else:
+            assert judgement.rejection is not None
+            self.rejection(
+                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
+            )
+
+    def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import STATUS_MEANING, summary_facts, summary_sections
+
+        console = self._console(out)
+        style = {"ALARM": "bold red", "WARNINGS": "bold yellow", "OK": "bold green"}
+        status = summary.status
+        console.print(
+            Text.assemble(
+                ("nanrunbook watch: ", "bold"),
+                (status, style.get(status, "bold")),
+                f" - {STATUS_MEANING[status]}",
+            )
+        )
+        facts = summary_facts(summary)
+        width = max(len(label) for label, _ in facts)
+        for label, value in facts:
+            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+        for heading, lines in summary_sections(summary):
+            console.print(Text(heading, style="bold"))
+            for line in lines:
+                console.print(Text("  " + line))
+        if plots and summary.series:
+            self._watch_plots(console, summary)
+
+    def _watch_plots(self, console: Any, summary: WatchSummary) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.panels import watch_marks, watch_panels
+        from nanrunbook.output.plots import terminal_plot
+
+        colour = console.color_system is not None
+        marks = watch_marks(summary)
+        if marks:
+            legend = "; ".join(mark.label for mark in marks)
+            console.print(Text(f"Vertical lines: {legend}", style="dim"))
+        for panel in watch_panels(summary):
+            console.print()
+            lines = terminal_plot(panel, marks, colour=colour)
+            console.print(Text(lines[0], style="bold"))
+            for line in lines[1:]:
+                console.print(Text.from_ansi(line) if colour else Text(line))
+
+    def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
+        from rich.text import Text
+
+        from nanrunbook.output.watch_text import event_line
+
+        style = {"hold": "bold red", "nonfinite": "bold red", "warning": "yellow"}
+        console = self._console(out)
+        console.print(Text(event_line(event), style=style.get(event.kind, "")))
+        out.flush()
+
+
+# ---------------------------------------------------------------- building blocks
+
+_DIGEST = re.compile(r"\b([0-9a-f]{12})[0-9a-f]{52}\b")
+_TENSORS_SHOWN = 5  # rows of the earliest stage's tensors before "N more"
+_NUMERIC = ("elements", "nan", "+inf", "-inf", "max abs")
+
+
+def _shorten_digests(text: str) -> str:
+    """Every SHA-256 hex digest cut to its first 12 digits: content ids and digests
+    are whole in json and kv; in text they would not fit 80 columns."""
+    return _DIGEST.sub(r"\1...", text)
+
+
+def _indented(text: Any, left: int) -> Any:
+    from rich.padding import Padding
+
+    return Padding(text, (0, 0, 0, left))
+
+
+def _grid(rows: list[tuple[str, Any]], *, indent: int = 2) -> Any:
+    """Label/value lines; a long value wraps under itself, not under its label."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, value if isinstance(value, Text) else Text(str(value)))
+    return _indented(grid, indent)
+
+
+_BRIEF_LABEL_WIDTH = len("earliest non-finite stage")
+
+
+def _fact_line(label: str, value: str) -> Any:
+    from rich.text import Text
+
+    return Text.assemble((f"  {label:<{_BRIEF_LABEL_WIDTH}}  ", "dim"), value)
+
+
+def _print_unwrapped(console: Any, lines: list[Any]) -> None:
+    """One printed line each, never wrapped: ``--brief`` promises a line count."""
+    for line in lines:
+        console.print(line)  # the console soft-wraps: a line stays one line
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _verdict_facts(report: Report) -> list[tuple[str, str]]:
+    decision = report.decision
+    manifest = report.manifest
+    stage = decision.earliest_nonfinite_stage
+    facts = [("earliest non-finite stage", stage or "none: every captured element is finite")]
+    if stage is not None:
+        facts.append(("first non-finite tensor", _first_tensor(report)))
+    return [
+        *facts,
+        ("action", decision.action),
+        ("root cause claim", decision.root_cause_claim),
+        ("bundle", report.bundle),
+        ("run", f"{manifest.run_id} step {manifest.step}"),
+        ("incident owner", manifest.incident_owner),
+        ("evidence", manifest.evidence_id),
+        ("evidence content id", _shorten_digests(manifest.evidence_content_id)),
+        ("contract", f"{report.contract_version} {_shorten_digests(report.contract_content_id)}"),
+    ]
+
+
+def _print_verdict(console: Any, report: Report) -> None:
+    from rich.text import Text
+
+    decision = report.decision.decision
+    style = "bold red" if decision == HOLD else "bold green"
+    _show(console, Text.assemble(("nanrunbook check: ", "bold"), (decision, style)))
+    _show(console, _grid(list(_verdict_facts(report))))
+    _show(console)
+
+
+def _brief_lines(report: Report) -> list[Any]:
+    """Verdict, earliest stage, first tensor, action, warnings, bundle: six lines."""
+    from rich.text import Text
+
+    decision = report.decision
+    style = "bold red" if decision.decision == HOLD else "bold green"
+    lines = [
+        Text.assemble(("nanrunbook check: ", "bold"), (decision.decision, style)),
+        _fact_line("earliest non-finite stage", decision.earliest_nonfinite_stage or "none"),
+        _fact_line("first non-finite tensor", _first_tensor(report)),
+        _fact_line("action", decision.action),
+        _fact_line("warnings", _warnings_count(report)),
+        _fact_line("bundle", report.bundle),
+    ]
+    return lines
+
+
+def _warnings_count(report: Report) -> str:
+    """``2 (AT_DTYPE_MAX, NEAR_DTYPE_MAX)``: how many, and which codes."""
+    codes = ", ".join(dict.fromkeys(w.code for w in report.warnings))
+    return f"{len(report.warnings)} ({codes})" if codes else "0"
+
+
+def _brief_violations(error: EvidenceRejected) -> list[Any]:
+    """Up to four lines of codes and paths; the messages are in the full report."""
+    from rich.text import Text
+
+    violations = error.violations
+    shown = violations if len(violations) <= 4 else violations[:3]
+    lines = [Text.assemble(("  " + v.code, "yellow"), f" {v.where}") for v in shown]
+    if len(shown) < len(violations):
+        lines.append(Text(f"  ... {len(violations) - len(shown)} more (without --brief)"))
+    return lines
 
 
 def _first_tensor(report: Report) -> str:
@@ -227,18 +442,87 @@ def _first_tensor(report: Report) -> str:
     if decision.earliest_nonfinite_stage is None:
         return "none"
     if decision.first_nonfinite_tensor is None:
-        return "unknown (summary stage has no per-tensor counts)"
+        return "unknown (a summary stage has no per-tensor counts)"
     return decision.first_nonfinite_tensor
 
 
-def _scaler_line(report: Report) -> str:
+def _stage_dtypes(stage: StageFinding) -> str:
+    """The stage's dtypes in capture order, each once (``F32,I64``); NOT_RUN when
+    the stage did not run, as it then has no tensors."""
+    return ",".join(dict.fromkeys(t.dtype for t in stage.record.tensors)) or stage.status
+
+
+def _stage_table(report: Report) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
+    # On a narrow console words wrap; a number is never broken across lines (a
+    # folded "160" would read as 16 and 0), it is cut with an ellipsis instead.
+    for column in ("stage", "dtype"):
+        table.add_column(column, overflow="fold")
+    for column in _NUMERIC:
+        table.add_column(column, justify="right", no_wrap=True, overflow="ellipsis")
+    for stage in report.stages:
+        counts = stage.counts
+        numbers = (
+            (counts.elements, counts.nan, counts.posinf, counts.neginf)
+            if counts is not None
+            else ("-",) * 4
+        )
+        magnitude = report.reported_magnitude(stage, stage.finite_max_abs)
+        cells = [
+            stage.stage,
+            _stage_dtypes(stage),
+            *(str(n) for n in numbers),
+            "-" if magnitude is None else number(magnitude),
+        ]
+        style = "red" if counts is not None and counts.nonfinite else ""
+        table.add_row(*(Text(c) for c in cells), style=style)
+    return table
+
+
+def _stage_notes(report: Report) -> list[tuple[str, str]]:
+    """What the table cannot say: counts not recounted, scaled magnitudes, why a
+    stage did not run, the loss scale and the recovery point."""
+    notes = [
+        ("declared", f"{stage.stage}: counts of a summary, not recounted")
+        for stage in report.stages
+        if stage.counts_source == "declared"
+    ]
+    notes += [
+        (stage.stage, f"gradients stored scaled: max abs divided by {report.scaler.scale:g}")
+        for stage in report.stages
+        if stage.record.gradients == "scaled" and stage.status == "OBSERVED"
+    ]
+    # Stages after the first that did not run usually share one reason: say it once.
+    not_run: dict[str, list[str]] = {}
+    for stage in report.stages:
+        if stage.status == "NOT_RUN":
+            not_run.setdefault(stage.record.reason or "", []).append(stage.stage)
+    notes += [("not run", f"{', '.join(names)}: {reason}") for reason, names in not_run.items()]
+    lkg = report.manifest.last_known_good
+    notes.append(("loss scale", _scaler_text(report)))
+    # The contract accepts a recovery point only when all five parts were verified together.
+    recovery = f"{lkg.checkpoint_id} at step {lkg.step}, all five parts verified together"
+    notes.append(("last known-good", recovery))
+    return notes
+
+
+def _print_stages(console: Any, report: Report) -> None:
+    _show(console, _stage_table(report))
+    _show(console, _grid(_stage_notes(report)))
+    _show(console)
+
+
+def _scaler_text(report: Report) -> str:
     scaler = report.scaler
     if scaler.mode == "none":
-        return "loss scale: none (scale 1)"
+        return "none (scale 1)"
     if scaler.mode == "static":
-        return f"loss scale: static, scale {scaler.scale:g}"
+        return f"static, scale {scaler.scale:g}"
     line = (
-        f"loss scale: dynamic, scale {scaler.scale:g} -> {scaler.scale_after:g}, "
+        f"dynamic, scale {scaler.scale:g} -> {scaler.scale_after:g}, "
         f"found_inf {str(scaler.found_inf).lower()}"
     )
     if scaler.step_skipped:
@@ -246,18 +530,130 @@ def _scaler_line(report: Report) -> str:
     return line
 
 
-def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) -> list[str]:
+    """Counts, then on a line of their own the finite extremes (as reported: scaled
+    gradients divided by the scale) when the tensor's data was read."""
+    if tensor.counts is None:  # a summary: the header says why there are no counts
+        return [""]
+    counts = counts_phrase(tensor.counts)
+    extremes = tensor.extremes
+    if extremes is None or extremes.min is None or extremes.max is None:
+        magnitude = report.reported_magnitude(stage, tensor.finite_max_abs)
+        return [counts if magnitude is None else f"{counts}, max abs {number(magnitude)}"]
+
+    def shown(value: float) -> str:
+        reported = report.reported_magnitude(stage, value)
+        assert reported is not None
+        return number(reported)
+
+    line = f"finite {shown(extremes.min)}..{shown(extremes.max)}"
+    if extremes.min_nonzero_abs is not None:
+        line += f"; smallest non-zero |x| {shown(extremes.min_nonzero_abs)}"
+    zeros = "zero" if extremes.zeros == 1 else "zeros"
+    subnormals = "subnormal" if extremes.subnormals == 1 else "subnormals"
+    line += f"; {extremes.zeros} {zeros}, {extremes.subnormals} {subnormals}"
+    return [counts, line]
+
+
+def _earliest_tensors(report: Report, stage: StageFinding) -> Any:
+    """The stage's tensors, non-finite ones first (the first non-finite leads), capped."""
+    from rich.console import Group
+    from rich.table import Table
     from rich.text import Text
 
-    console.print(Text(heading, style="bold underline"))
-    number = 0
+    ordered = sorted(stage.tensors, key=lambda t: not (t.counts is not None and t.counts.nonfinite))
+    grid = Table.grid(padding=(0, 2))
+    for column in ("tensor", "dtype", "shape"):
+        grid.add_column(overflow="fold", no_wrap=column != "tensor")
+    grid.add_column(overflow="fold")
+    for tensor in ordered[:_TENSORS_SHOWN]:
+        entry = tensor.entry
+        first, *more = _tensor_facts(report, stage, tensor)
+        grid.add_row(Text(entry.name), entry.dtype, shape_text(entry.shape), first)
+        for line in more:
+            grid.add_row("", "", "", line)
+    hidden = len(ordered) - _TENSORS_SHOWN
+    if hidden <= 0:
+        return _indented(grid, 2)
+    rest = Text(f"... {hidden} more (all in --format json)")
+    return _indented(Group(grid, rest), 2)
+
+
+def _print_earliest_stage(console: Any, report: Report) -> None:
+    from rich.text import Text
+
+    name = report.decision.earliest_nonfinite_stage
+    assert name is not None
+    stage = next(s for s in report.stages if s.stage == name)
+    record = stage.record
+    _show(console, Text(f"Earliest non-finite stage: {name}", style="bold"))
+    _show(
+        console,
+        _grid(
+            [
+                ("owner", f"{record.owner}, telemetry {record.telemetry_id}"),
+                ("probe source", record.probe_source),
+            ]
+        ),
+    )
+    _show(console, _earliest_tensors(report, stage))
+    _show(console)
+
+
+_WARNINGS_SHOWN = 6  # warnings listed before "N more"
+
+
+def _print_warnings(console: Any, report: Report) -> None:
+    """The early warnings, upstream stages first (their order in the report)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    warnings = report.warnings
+    if not warnings:
+        _show(console, Text.assemble(("Warnings", "bold"), ": none"))
+        _show(console)
+        return
+    _show(console, Text(f"Warnings ({len(warnings)}, upstream first)", style="bold"))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="yellow")
+    grid.add_column(overflow="fold")
+    for warning in warnings[:_WARNINGS_SHOWN]:
+        where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
+        grid.add_row(warning.code, where)
+    hidden = len(warnings) - _WARNINGS_SHOWN
+    rest = [Text(f"... {hidden} more (all in --format json)")] if hidden > 0 else []
+    _show(console, _indented(Group(grid, *rest), 2))
+    _show(console)
+
+
+def _print_probes(console: Any, report: Report) -> None:
+    """On CONTINUE no stage is singled out: what was checked is where each boundary
+    was probed."""
+    from rich.text import Text
+
+    _show(console, Text("Probes", style="bold"))
+    _show(console, _grid([(s.stage, s.record.probe_source) for s in report.stages]))
+    _show(console)
+
+
+def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    _show(console, Text(heading, style="bold underline"))
+    count = 0
+    digits = len(str(sum(len(section.steps) for section in sections)))
     for section in sections:
-        console.print(Text(section.title, style="bold"))
+        _show(console, Text(section.title, style="bold"))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", no_wrap=True, min_width=digits + 1)
+        grid.add_column(overflow="fold")
         for step in section.steps:
-            number += 1
-            console.print(
-                Text.assemble(f"  {number:>2}. ", (step.title, "bold"), f": {step.detail}")
-            )
+            count += 1
+            detail = _shorten_digests(step.detail)
+            grid.add_row(f"{count}.", Text.assemble((step.title, "bold"), f": {detail}"))
+        _show(console, _indented(grid, 1))
 
 
 _DIFF_STYLE = {
@@ -425,3 +821,222 @@ def _diff_tensor_lists(console: Any, result: Comparison) -> None:
         more = f" and {len(tensors) - _LISTED} more" if len(tensors) > _LISTED else ""
         console.print(Text(f"Only in {side} ({len(tensors)}): {names}{more}"))
     console.print(Text("  The symptom's location is not its cause.", style="italic"))
+
+
+_DECISION_STYLE = {
+    REJECTED: "bold yellow",
+    HOLD: "bold red",
+    "CONTINUE_BOUNDED_DIAGNOSTICS": "bold green",
+}
+_MISMATCHES = frozenset(
+    {
+        "SET_CONTRACT_MISMATCH",
+        "SET_RUN_MISMATCH",
+        "SET_STEP_MISMATCH",
+        "SET_WORLD_SIZE_MISMATCH",
+        "SET_RANK_DUPLICATE",
+    }
+)
+
+
+def _quoted(name: str) -> str:
+    return name if name.startswith(("'", '"')) else quote(name)
+
+
+def _set_headline(result: IncidentSet) -> tuple[Any, ...]:
+    where = (
+        quote(result.path)
+        if result.path is not None
+        else f"merged from {len(result.merged_from)} report{'s' if len(result.merged_from) != 1 else ''}"
+    )
+    size = (
+        f"world size {result.world_size}" if result.world_size is not None else "world size unknown"
+    )
+    if result.decision == REJECTED:
+        count = len(result.violations)
+        return (
+            ("REJECTED", "bold yellow"),
+            f" - incident set {where}, {len(result.members)} members, {size}: {count}"
+            f" violation{'s' if count != 1 else ''}; no decision is made on this set",
+        )
+    style = _DECISION_STYLE[result.decision]
+    return (
+        (result.decision, style),
+        f" - incident set {where}, run {result.run_id} step {result.step}, {size}",
+    )
+
+
+def _brief_set_lines(result: IncidentSet) -> list[Any]:
+    """Under the headline, five lines: the origin, stage, action and ranks, or up
+    to four violations (codes and where) and the ranks."""
+    from rich.text import Text
+
+    facts = _set_facts(result)
+    ranks = _fact_line(*facts[4])
+    if result.decision != REJECTED:
+        return [*(_fact_line(label, value) for label, value in facts[:4]), ranks]
+    violations = result.violations
+    shown = violations if len(violations) <= 4 else violations[:3]
+    lines = [Text.assemble(("  " + v.code, "yellow"), f" {v.where}") for v in shown]
+    if len(shown) < len(violations):
+        lines.append(Text(f"  ... {len(violations) - len(shown)} more (without --brief)"))
+    return [*lines, ranks]
+
+
+def _set_facts(result: IncidentSet) -> list[tuple[str, str]]:
+    origin = result.origin
+    if result.origin_ranks:
+        ranks = ", ".join(map(str, result.origin_ranks))
+        origin += f": rank{'s' if len(result.origin_ranks) > 1 else ''} {ranks}"
+    missing = rank_list(result.missing, listed=32)
+    return [
+        ("origin", origin),
+        ("earliest non-finite stage", result.earliest_nonfinite_stage or "none"),
+        ("action", result.action or "-"),
+        ("root cause claim", result.root_cause_claim),
+        (
+            "ranks",
+            f"{result.ranks_present} of {result.world_size} present, missing: {missing};"
+            f" {result.rejected_members} rejected member{'s' if result.rejected_members != 1 else ''}",
+        ),
+        ("contract", f"{result.contract_version} {_shorten_digests(result.contract_content_id)}"),
+    ]
+
+
+def _print_set_rejection(console: Any, result: IncidentSet) -> None:
+    """Every violation; when the members do not form one set, what the directory
+    holds instead, and the set's own violations only (the table shows each
+    member's verdict, which does not matter until they form one set)."""
+    from rich.text import Text
+
+    split = any(v.code in _MISMATCHES for v in result.violations)
+    if split:
+        console.print(Text(_what_it_holds(result)))
+    shown = [v for v in result.violations if not split or v.path is None]
+    for violation in shown:
+        console.print(
+            Text.assemble(
+                ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
+            )
+        )
+    hidden = len(result.violations) - len(shown)
+    if hidden:
+        console.print(
+            Text(f"  and {hidden} violations of rejected members (--format json or kv lists them)")
+        )
+
+
+def _what_it_holds(result: IncidentSet) -> str:
+    names = [_quoted(m.name) for m in result.members]
+    listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    runs = {m.declared.run_id for m in result.members if m.declared.run_id is not None}
+    steps = {m.declared.step for m in result.members if m.declared.step is not None}
+    of = f"of {len(runs)} run{'s' if len(runs) != 1 else ''} and"
+    of += f" {len(steps)} step{'s' if len(steps) != 1 else ''}"
+    if result.path is None:
+        return f"The merged reports are not of one incident set: {listed}, {of}"
+    place = quote(result.path)
+    return (
+        f"{place} is not a bundle (it has no manifest.json) and not one incident set: it holds"
+        f" bundles one level down: {listed}, {of}; judge each on its own:"
+        f" nanrunbook check {quote(result.path.rstrip('/') or '/')}/*/"
+    )
+
+
+def _rank_lines(result: IncidentSet) -> list[Any]:
+    """One line per rank, in rank order: members, runs of missing ranks, then members
+    that declare no rank. Columns are padded; the last is free, so names and
+    messages stay whole (one log line each)."""
+    from rich.text import Text
+
+    split = any(v.code in _MISMATCHES for v in result.violations)
+    header = ["rank", "member", *(("run", "step") if split else ()), "decision", "earliest"]
+    header += ["warnings", "first non-finite tensor, or first violation"]
+    rows: list[list[str]] = []
+    origin = set(result.origin_ranks)
+    missing = list(result.missing)
+    for member in sorted(result.members, key=lambda m: (m.rank is None, m.rank or 0, m.name)):
+        while missing and member.rank is not None and missing[0].start < member.rank:
+            rows.append(_missing_row(missing.pop(0), split))
+        rows.append(_member_row(member, split, member.rank in origin))
+    rows += [_missing_row(run, split) for run in missing]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    decision = header.index("decision")
+    lines = [Text("Ranks", style="bold")]
+    for index, row in enumerate([header, *rows]):
+        cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
+        style = "dim" if index == 0 else _ROW_STYLE.get(row[decision], "")
+        lines.append(Text("  " + "  ".join([*cells, row[-1]]).rstrip(), style=style))
+    return lines
+
+
+_ROW_STYLE = {REJECTED: "yellow", HOLD: "red", "missing": "yellow"}
+
+
+def _missing_row(run: range, split: bool) -> list[str]:
+    rank = str(run.start) if len(run) == 1 else f"{run.start}-{run.stop - 1}"
+    return [rank, "-", *(("-", "-") if split else ()), "missing", "-", "-", ""]
+
+
+def _member_row(member: SetMember, split: bool, origin: bool) -> list[str]:
+    declared = member.declared
+    detail = member.first_nonfinite_tensor or "-"
+    if member.decision == HOLD and member.first_nonfinite_tensor is None:
+        detail = "unknown (summary stage)"
+    if member.violations:
+        first = member.violations[0]
+        more = len(member.violations) - 1
+        detail = f"{first.code} {first.where}" + (f" (and {more} more)" if more else "")
+    if origin:
+        detail += "  <- origin"
+    cells = ["?" if member.rank is None else str(member.rank), member.name]
+    if split:
+        cells += [declared.run_id or "?", "?" if declared.step is None else str(declared.step)]
+    stage = member.earliest_nonfinite_stage or "-"
+    return [*cells, member.decision, stage, _warning_summary(member.warnings), detail]
+
+
+def _warning_summary(codes: Sequence[str]) -> str:
+    """Each warning code once, with how many times it fired: ``NEAR_DTYPE_MAX x2``."""
+    counts: dict[str, int] = {}
+    for code in codes:
+        counts[code] = counts.get(code, 0) + 1
+    shown = [code if n == 1 else f"{code} x{n}" for code, n in counts.items()]
+    return ",".join(shown) or "-"
+
+
+def _outcome_decision(outcome: Outcome) -> str:
+    if isinstance(outcome, IncidentSet):
+        return outcome.decision
+    return outcome.report.decision.decision if outcome.report is not None else REJECTED
+
+
+def _outcome_line(outcome: Outcome) -> str:
+    if isinstance(outcome, IncidentSet):
+        where = quote(outcome.path) if outcome.path is not None else "merged reports"
+        line = f"{where} (incident set, {outcome.ranks_present} of {outcome.world_size} ranks)"
+        if outcome.decision == HOLD:
+            ranks = ",".join(map(str, outcome.origin_ranks))
+            line += (
+                f": earliest {outcome.earliest_nonfinite_stage}, origin {outcome.origin} {ranks}"
+            )
+        return line + _first_violation(outcome.violations)
+    where = quote(outcome.bundle)
+    if outcome.rejection is not None:
+        return where + _first_violation(outcome.rejection.violations)
+    assert outcome.report is not None
+    decision = outcome.report.decision
+    if decision.earliest_nonfinite_stage is None:
+        return where
+    tensor = decision.first_nonfinite_tensor or "unknown (summary)"
+    return f"{where}: earliest {decision.earliest_nonfinite_stage}, first tensor {tensor}"
+
+
+def _first_violation(violations: Sequence[SetViolation] | Sequence[Any]) -> str:
+    if not violations:
+        return ""
+    more = len(violations) - 1
+    first = violations[0]
+    return f": {first.code} {first.where}: {first.message}" + (
+        f" (and {more} more)" if more else ""
+    )

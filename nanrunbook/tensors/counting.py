@@ -112,18 +112,10 @@ class _Bits:
     """How a Counter reads one dtype: the integer view of a value and its layout."""
 
     uint: str  # numpy dtype of one value's bits (a sub-byte code moved into a byte)
+    sint: str  # the signed dtype of the same width: its order puts negatives first
     sign: int  # the sign bit of that integer, 0 when the format has none
+    mask: int  # every bit of the integer but the sign: the code of a value
     fmt: FloatFormat
-
-    @property
-    def sint(self) -> str:
-        """The signed integer dtype of the same width: its order puts negatives first."""
-        return self.uint.replace("u", "i")
-
-    @property
-    def mask(self) -> int:
-        """Every bit of the integer but the sign: the code of a value."""
-        return (1 << (np.dtype(self.uint).itemsize * 8)) - 1 - self.sign
 
 
 def _bits_of(dtype: DType) -> _Bits | None:
@@ -131,8 +123,14 @@ def _bits_of(dtype: DType) -> _Bits | None:
     if fmt is None:
         return None
     if fmt.bits % 8:  # sub-byte: each code is moved into a byte, its sign on top
-        return _Bits("u1", 0x80, fmt)
-    return _Bits(f"<u{fmt.bits // 8}" if fmt.bits > 8 else "u1", fmt.sign, fmt)
+        return _Bits("u1", "i1", 0x80, 0x7F, fmt)
+    width = fmt.bits // 8
+    uint = f"<u{width}" if width > 1 else "u1"
+    return _Bits(uint, uint.replace("u", "i"), fmt.sign, (1 << fmt.bits) - 1 - fmt.sign, fmt)
+
+
+# Read once per dtype, not per counter: a bundle may hold thousands of small tensors.
+_BITS: dict[str, _Bits | None] = {name: _bits_of(d) for name, d in DTYPES.items()}
 
 
 class _Span:
@@ -223,7 +221,7 @@ class Counter:
             raise ValueError(f"unknown dtype {dtype!r}")
         self.dtype = dtype
         self._type = found
-        self._bits = _bits_of(found)
+        self._bits = _BITS[dtype]
         self.align: int = found.whole_bytes
         self._elements = 0
         self._nan = 0

@@ -26,14 +26,20 @@ Warnings and their thresholds (:class:`WarningThresholds`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from nanrunbook.dtypes import DTYPES, DType
-from nanrunbook.records import EarlyWarning, Extremes, Headroom, TensorHeadroom
-
-if TYPE_CHECKING:  # the report's JSON document uses headroom(): no import back at run time
-    from nanrunbook.verdict.report import Report
+from nanrunbook.records import (
+    EarlyWarning,
+    Extremes,
+    Headroom,
+    Manifest,
+    Scaler,
+    StageFinding,
+    TensorHeadroom,
+)
 
 __all__ = [
     "COMPUTE_STAGES",
@@ -41,6 +47,21 @@ __all__ = [
     "early_warnings",
     "headroom",
 ]
+
+
+class Report(Protocol):
+    """What these facts read of a report: a Protocol, so that the report's own
+    JSON document (verdict/report.py) can use them without an import circle."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def stages(self) -> Sequence[StageFinding]: ...
+
+    @property
+    def scaler(self) -> Scaler: ...
+
 
 # The stages autocast-style mixed precision computes in precision.compute_dtype.
 COMPUTE_STAGES: tuple[str, ...] = ("input", "forward", "loss")

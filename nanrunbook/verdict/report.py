@@ -13,6 +13,7 @@ from nanrunbook._version import __version__
 from nanrunbook.contract import CONTRACT_VERSION, HOLD
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.exits import Exit
+from nanrunbook.manifest.declared import NOTHING_DECLARED, Declared
 from nanrunbook.records import (
     Counts,
     Decision,
@@ -25,10 +26,11 @@ from nanrunbook.records import (
     TensorFinding,
     TensorHeadroom,
 )
+from nanrunbook.verdict.evidence import reported_magnitude
 from nanrunbook.verdict.precision import headroom
 from nanrunbook.verdict.runbook import Section
 
-__all__ = ["REPORT_FORMAT", "Report", "rejection_document", "report_document"]
+__all__ = ["REPORT_FORMAT", "Report", "path_text", "rejection_document", "report_document"]
 
 REPORT_FORMAT = "nanrunbook-report/1"
 
@@ -53,15 +55,21 @@ class Report:
     def exit_code(self) -> int:
         return Exit.HOLD if self.decision.decision == HOLD else Exit.CONTINUE
 
+    def exit_code_for(self, *, fail_on_warnings: bool = False) -> int:
+        """The process's exit code: the verdict's, except that a CONTINUE with
+        warnings is WARNINGS (5) when the caller asked to fail on them. A HOLD
+        stays HOLD: 5 never hides one."""
+        if fail_on_warnings and self.exit_code == Exit.CONTINUE and self.warnings:
+            return Exit.WARNINGS
+        return self.exit_code
+
     @property
     def scaler(self) -> Scaler:
         return self.manifest.binding.scaler
 
     def reported_magnitude(self, stage: StageFinding, stored: float | None) -> float | None:
         """A stored magnitude as reported: scaled gradients are divided by the scale."""
-        if stored is None or stage.record.gradients != "scaled":
-            return stored
-        return stored / self.scaler.scale
+        return reported_magnitude(stage, stored, self.scaler)
 
 
 def _counts(counts: Counts | None) -> dict[str, int] | None:
@@ -170,7 +178,7 @@ def report_document(report: Report) -> dict[str, Any]:
         "tool": {"name": "nanrunbook", "version": __version__},
         "contract_version": report.contract_version,
         "contract_content_id": report.contract_content_id,
-        "bundle": report.bundle,
+        "bundle": path_text(report.bundle),
         "run": {"run_id": manifest.run_id, "step": manifest.step},
         "evidence_id": manifest.evidence_id,
         "evidence_content_id": manifest.evidence_content_id,
@@ -215,17 +223,38 @@ def checklist_document(sections: tuple[Section, ...]) -> list[dict[str, Any]]:
 
 
 def rejection_document(
-    error: EvidenceRejected, bundle: str, contract_content_id: str
+    error: EvidenceRejected,
+    bundle: str,
+    contract_content_id: str,
+    declared: Declared = NOTHING_DECLARED,
 ) -> dict[str, Any]:
+    """A rejection; ``declared`` holds what the rejected manifest validly declares
+    about its place in a job (null where nothing), so that ``merge`` can place a
+    rejected rank in its incident set."""
     return {
         "report_format": REPORT_FORMAT,
         "tool": {"name": "nanrunbook", "version": __version__},
         "contract_version": CONTRACT_VERSION,
         "contract_content_id": contract_content_id,
-        "bundle": bundle,
+        "bundle": path_text(bundle),
         "decision": "REJECTED",
         "exit_code": error.exit_code,
         "violations": [
             {"code": v.code, "where": v.where, "message": v.message} for v in error.violations
         ],
+        "declared": declared.as_dict(),
     }
+
+
+def path_text(path: str) -> str:
+    """A path as JSON carries it: as given when it is printable UTF-8; otherwise
+    (a control or bidi character, a file name that is not UTF-8, which Python keeps
+    as lone surrogates) with every character outside ASCII or printable escaped."""
+    if path.isprintable():
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        else:
+            return path
+    return ascii(path)[1:-1]

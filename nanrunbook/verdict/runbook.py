@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from nanrunbook.records import STAGE_ORDER
 
-__all__ = ["SECTIONS", "STAGE_STEPS", "Section", "Step", "checklist"]
+__all__ = ["SECTIONS", "STAGE_STEPS", "Section", "Step", "checklist", "find_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +156,37 @@ SECTIONS: tuple[Section, ...] = (
             ),
         ),
     ),
+    Section(
+        "bounded-diagnostics",
+        "Bounded diagnostics (after CONTINUE)",
+        (
+            Step(
+                "read-continue",
+                "Read CONTINUE as bounded",
+                "Every captured element is finite: nothing in this evidence needs holding, "
+                "and nothing in it explains the alert. The verdict covers only the five "
+                "boundaries of one step on one rank.",
+            ),
+            Step(
+                "look-at-warnings",
+                "Look at the warnings",
+                "A finite value at or near its dtype's limit, or beyond what the compute dtype "
+                "holds, is where the next overflow starts; warnings name the tensor.",
+            ),
+            Step(
+                "check-other-signals",
+                "Check other signals",
+                "Find where the non-finite alert came from: another step, another rank, the "
+                "loss logging or reduction path, or evaluation.",
+            ),
+            Step(
+                "keep-capturing",
+                "Keep capturing",
+                "Keep the five boundaries guarded so the next non-finite step leaves a bundle, "
+                "and compare it with this one.",
+            ),
+        ),
+    ),
 )
 
 STAGE_STEPS: dict[str, Section] = {
@@ -170,10 +201,17 @@ STAGE_STEPS: dict[str, Section] = {
                 "same sample ids from the data and loader cursor bindings.",
             ),
             Step(
+                "reload-samples",
+                "Reload the same samples",
+                "Load the batch again from the loader cursor with the captured random state "
+                "and confirm the same tensor is non-finite before any model code runs.",
+            ),
+            Step(
                 "trace-preprocessing",
                 "Trace preprocessing",
-                "Look for a log of zero, a division by a zero standard deviation or a corrupt "
-                "shard upstream of the loader; quarantine the shard, do not skip silently.",
+                "Input is the first boundary: nothing upstream of it was captured. Look for a "
+                "log of zero, a division by a zero standard deviation or a corrupt shard "
+                "upstream of the loader; quarantine the shard, do not skip silently.",
             ),
         ),
     ),
@@ -260,3 +298,12 @@ def checklist(stage: str | None = None) -> tuple[Section, ...]:
     if stage not in STAGE_ORDER:
         raise ValueError(f"unknown stage {stage!r}")
     return (STAGE_STEPS[stage], *SECTIONS)
+
+
+def find_step(step_id: str) -> Step:
+    """The runbook's step with this id (ids are unique across the runbook)."""
+    for section in (*SECTIONS, *STAGE_STEPS.values()):
+        for step in section.steps:
+            if step.id == step_id:
+                return step
+    raise KeyError(step_id)

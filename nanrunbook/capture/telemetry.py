@@ -1,0 +1,304 @@
+"""The sentinel's telemetry: one JSON line per training step, and its early warnings.
+
+Framework-free: the torch sentinel fills these records from device values it read
+once per step; a JAX one would fill the same. The line's keys and their order are
+fixed (``nanrunbook-telemetry/1``; documented in ``nanrunbook-sentinel(7)``); later
+versions only append keys at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+# The line's format and its headroom arithmetic have one home, beside the reader.
+from nanrunbook.telemetry.record import TELEMETRY_FORMAT, headroom_bits
+from nanrunbook.warning_codes import WARNING_CODES
+
+__all__ = [
+    "TELEMETRY_FORMAT",
+    "Activations",
+    "Alert",
+    "EarlyWarnings",
+    "GradTelemetry",
+    "StepTelemetry",
+    "TelemetryFile",
+    "Thresholds",
+    "UpdateTelemetry",
+    "headroom_bits",
+    "loss_class",
+    "magnitude_alerts",
+    "mean_loss",
+]
+
+LossClass = Literal["finite", "nan", "posinf", "neginf"]
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: such a number is written as null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One warning of a step: a stable code (``nanrunbook.warning_codes``) and a
+    one-line message with the values behind it."""
+
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.code not in WARNING_CODES:
+            raise ValueError(f"unknown warning code {self.code!r}")
+
+
+@dataclass(frozen=True)
+class GradTelemetry:
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    max_abs: float | None = None  # finite max abs, when measured this step
+    dtype: str | None = None
+    headroom_bits: float | None = None  # a lower bound when max_abs was not measured
+    norm: float | None = None  # L2 norm, when the check computed or was handed it
+
+
+@dataclass(frozen=True)
+class UpdateTelemetry:
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    max_abs: float | None = None  # measured on sampled steps and with the snapshot
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The extremes of a sampled step's leaf-module outputs and probes."""
+
+    max_abs: float | None  # the largest finite one
+    where: str | None  # whose it is (act/<module> or probe/<name>)
+    dtype: str | None
+    headroom_bits: float | None
+    nonfinite: tuple[str, ...] = ()  # outputs holding a NaN or infinity, in order
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """One line; field order is the line's key order (after ``format``)."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    step: int
+    time: float
+    loss: float | None
+    loss_class: LossClass
+    grad: GradTelemetry
+    update: UpdateTelemetry | None  # None when no update was applied
+    scale: float | None
+    found_inf: bool | None
+    skipped: bool
+    held: bool
+    warnings: tuple[Alert, ...] = ()
+    bundle: str | None = None
+    # Appended to the fixed shape: sampled activations, the first group's lr.
+    activations: Activations | None = None
+    lr: float | None = None
+
+    def line(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": TELEMETRY_FORMAT}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, float):
+                value = _finite(value)
+            elif isinstance(value, GradTelemetry | UpdateTelemetry | Activations):
+                value = {
+                    k: _finite(v) if isinstance(v, float) else v for k, v in asdict(value).items()
+                }
+                if "nonfinite" in value:
+                    value["nonfinite"] = list(value["nonfinite"])
+            elif item.name == "warnings":
+                value = [{"code": a.code, "message": a.message} for a in value]
+            out[item.name] = value
+        return out
+
+
+class TelemetryFile:
+    """Appends lines to a file (created with its directory); each line is written
+    whole and flushed, so a reader tailing the file sees complete lines."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._handle: Any = None
+
+    def append(self, record: StepTelemetry) -> None:
+        import orjson
+
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "ab")  # noqa: SIM115 -- kept open across steps
+        self._handle.write(orjson.dumps(record.line()) + b"\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When the sentinel warns and when it holds.
+
+    ``sample_every``: activation extremes (and exact gradient and update
+    magnitudes) every N steps, 0 for never. ``spike_*``: GRAD_NORM_SPIKE when
+    the gradient norm exceeds ``spike_ratio`` times the median of the last
+    ``spike_window`` finite norms, once ``spike_history`` of them are known.
+    ``backoff_warn``/``backoff_hold``: consecutive GradScaler skips that warn
+    and that hold. ``scale_floor``: hold when the dynamic scale would fall below
+    it. ``skip_warn``/``skip_hold``: consecutive skipped updates that warn and,
+    under the ``skip`` policy, that hold.
+    """
+
+    sample_every: int = 100
+    spike_ratio: float = 10.0
+    spike_window: int = 100
+    spike_history: int = 20
+    backoff_warn: int = 3
+    backoff_hold: int = 10
+    scale_floor: float = 1.0
+    skip_warn: int = 3
+    skip_hold: int = 10
+
+    def __post_init__(self) -> None:
+        counts = ("sample_every", "spike_window", "spike_history")
+        positive = ("backoff_warn", "backoff_hold", "skip_warn", "skip_hold")
+        for name in (*counts, *positive):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name in positive):
+                raise ValueError(f"{name} must be an integer >= {int(name in positive)}")
+        if not self.spike_ratio > 1 or not math.isfinite(self.spike_ratio):
+            raise ValueError("spike_ratio must be a finite number > 1")
+        if not self.scale_floor > 0 or not math.isfinite(self.scale_floor):
+            raise ValueError("scale_floor must be a finite number > 0")
+
+
+@dataclass
+class EarlyWarnings:
+    """The state behind the sentinel's warnings: the recent gradient norms and
+    the current streaks of scaler backoffs and skipped updates."""
+
+    thresholds: Thresholds
+    norms: deque[float] = field(default_factory=deque)
+    backoffs: int = 0
+    skips: int = 0
+
+    def gradient_norm(self, norm: float | None) -> list[Alert]:
+        """A robust running statistic, not a frozen early maximum: the median of
+        a sliding window, which one outlier does not move."""
+        if norm is None or not math.isfinite(norm):
+            return []
+        t = self.thresholds
+        alerts = []
+        if len(self.norms) >= t.spike_history:
+            median = statistics.median(self.norms)
+            if median > 0 and norm > t.spike_ratio * median:
+                alerts.append(
+                    Alert(
+                        "GRAD_NORM_SPIKE",
+                        f"gradient norm {norm:.4g} is {norm / median:.3g}x the median"
+                        f" {median:.4g} of the last {len(self.norms)} steps",
+                    )
+                )
+        self.norms.append(norm)
+        while len(self.norms) > t.spike_window:
+            self.norms.popleft()
+        return alerts
+
+    def scaler(self, found_inf: bool, scale: float, scale_after: float) -> list[Alert]:
+        self.backoffs = self.backoffs + 1 if found_inf else 0
+        alerts = []
+        if self.backoffs >= self.thresholds.backoff_warn:
+            alerts.append(
+                Alert(
+                    "LOSS_SCALE_BACKOFF_STREAK",
+                    f"the loss scale backed off {self.backoffs} steps in a row"
+                    f" ({scale:g} -> {scale_after:g})",
+                )
+            )
+        if scale_after < self.thresholds.scale_floor:
+            alerts.append(
+                Alert(
+                    "LOSS_SCALE_BELOW_FLOOR",
+                    f"the loss scale {scale_after:g} is below the floor"
+                    f" {self.thresholds.scale_floor:g}",
+                )
+            )
+        return alerts
+
+    def skipped(self, skipped: bool) -> list[Alert]:
+        self.skips = self.skips + 1 if skipped else 0
+        if self.skips < self.thresholds.skip_warn:
+            return []
+        return [
+            Alert(
+                "SKIPPED_UPDATE_STREAK",
+                f"{self.skips} consecutive steps were skipped without an update",
+            )
+        ]
+
+
+def magnitude_alerts(what: str, values: Iterable[tuple[float | None, str | None]]) -> list[Alert]:
+    """AT_DTYPE_MAX / NEAR_DTYPE_MAX (as the check's report uses them) for the
+    worst of ``values``: (finite max abs, dtype) pairs."""
+    known = [
+        (bits, max_abs, dtype)
+        for max_abs, dtype in values
+        if max_abs is not None
+        and dtype is not None
+        and (bits := headroom_bits(max_abs, dtype)) is not None
+    ]
+    if not known:
+        return []
+    bits, max_abs, dtype = min(known)
+    if bits <= 0:
+        return [Alert("AT_DTYPE_MAX", f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
+    if bits < 1:
+        return [
+            Alert(
+                "NEAR_DTYPE_MAX",
+                f"{what}: finite max abs {max_abs:.6g} is {bits:.2f} bits below {dtype}'s"
+                " largest finite value",
+            )
+        ]
+    return []
+
+
+def loss_class(values: Iterable[float]) -> LossClass:
+    """The worst class among a step's loss values: nan, then posinf, then neginf."""
+    seen = set()
+    for value in values:
+        if math.isnan(value):
+            seen.add("nan")
+        elif value == math.inf:
+            seen.add("posinf")
+        elif value == -math.inf:
+            seen.add("neginf")
+    names: tuple[LossClass, ...] = ("nan", "posinf", "neginf")
+    for name in names:
+        if name in seen:
+            return name
+    return "finite"
+
+
+def mean_loss(values: list[float]) -> float | None:
+    """The mean of a step's micro-batch losses; None unless every one is finite."""
+    if not values or not all(math.isfinite(v) for v in values):
+        return None
+    return math.fsum(values) / len(values)

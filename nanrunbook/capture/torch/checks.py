@@ -1,0 +1,213 @@
+"""The sentinel's per-step checks, fused on the device, and its one host read.
+
+Every value a healthy step needs on the host (the losses, the gradient norm or
+the scaler's found_inf, the previous update's flag, sampled extremes) is
+computed where the tensors live and packed into one small tensor, read with a
+single ``tolist()``: one host synchronisation per step. Exact NaN / +inf / -inf
+counts cost a pass per class, so they are counted only once a cheap flag trips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanrunbook.capture.torch.convert import safetensors_dtype
+
+__all__ = [
+    "Counted",
+    "GradNorms",
+    "Readout",
+    "count_rows",
+    "counted",
+    "exact_counts",
+    "gradients",
+    "max_rows",
+    "nonfinite_flag",
+]
+
+
+def gradients(params: Iterable[Any]) -> list[Any]:
+    """The dense gradient tensors of ``params`` (a sparse gradient's values)."""
+    out = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        out.append(g.coalesce().values() if g.is_sparse else g.detach())
+    return out
+
+
+def _by_dtype(tensors: Iterable[Any]) -> dict[Any, list[Any]]:
+    groups: dict[Any, list[Any]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _norms(tensors: list[Any]) -> list[Any]:
+    """Per-tensor L2 norms, accumulated in float32 whatever the dtype (one fused
+    kernel per device and dtype)."""
+    try:
+        return list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # torch without the dtype argument
+        return [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+
+
+@dataclass
+class GradNorms:
+    """Device values: the total L2 norm (non-finite when any gradient is, or when
+    finite ones overflow float32 squares), and per dtype the largest per-tensor
+    norm, which bounds that dtype's max abs from above."""
+
+    total: Any
+    bounds: dict[str, Any]
+
+    @classmethod
+    def of(cls, grads: Sequence[Any]) -> GradNorms | None:
+        norms, bounds = [], {}
+        for dtype, group in _by_dtype(grads).items():
+            group_norms = _norms(group)
+            norms += group_norms
+            name = safetensors_dtype(dtype)
+            if name is not None:
+                bounds[name] = torch.stack(group_norms).max()
+        if not norms:
+            return None
+        return cls(torch.linalg.vector_norm(torch.stack(norms)), bounds)
+
+
+def nonfinite_flag(tensors: Sequence[Any]) -> Any:
+    """A 0-dim float32 that is non-finite when any element of ``tensors`` is NaN or
+    infinite: their L2 norm, one fused kernel per device and dtype (measured the
+    cheapest complete check here: per-tensor sums or dots cost more, a max misses
+    -inf). Finite values can trip it only when their squares overflow, which the
+    exact count then clears."""
+    norms = GradNorms.of(tensors)
+    return norms.total if norms is not None else torch.zeros((), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Exact counts of one dtype group, and its finite max abs (None if none)."""
+
+    dtype: str
+    nan: int
+    posinf: int
+    neginf: int
+    max_abs: float | None
+
+
+def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
+    """Device rows, one per dtype group: NaN, +inf, -inf counts, finite max abs,
+    and whether any element is finite (one pass per class: the slow path, taken
+    once a flag tripped or on a sampled step). Read them with :func:`counted`."""
+    rows, names = [], []
+    for dtype, group in _by_dtype(tensors).items():
+        name = safetensors_dtype(dtype)
+        if name is None:
+            continue
+        per = []
+        for t in group:
+            finite = torch.isfinite(t)
+            zero = torch.zeros((), dtype=t.dtype, device=t.device)
+            per.append(
+                torch.stack(
+                    [
+                        t.isnan().sum().double(),
+                        t.isposinf().sum().double(),
+                        t.isneginf().sum().double(),
+                        torch.where(finite, t.abs(), zero).amax().double(),
+                        finite.any().double(),
+                    ]
+                )
+            )
+        stacked = torch.stack([p.to(per[0].device) for p in per])
+        rows.append(torch.cat([stacked[:, :3].sum(0), stacked[:, 3:].amax(0)]))
+        names.append(name)
+    if not rows:
+        return [], torch.zeros((0, 5), dtype=torch.float64)
+    return names, torch.stack([r.to(rows[0].device) for r in rows])
+
+
+def max_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
+    """Per dtype group, the largest magnitude (one pass per tensor, on the
+    device): the finite max abs when the tensors are finite, which a sampled
+    step learns from its flag in the same read."""
+    names, maxima = [], []
+    for dtype, group in _by_dtype(tensors).items():
+        name = safetensors_dtype(dtype)
+        if name is not None:
+            names.append(name)
+            maxima.append(torch.stack([t.abs().amax().float() for t in group]).amax())
+    if not names:
+        return [], torch.zeros(0)
+    return names, torch.stack([m.to(maxima[0].device) for m in maxima])
+
+
+def counted(names: Sequence[str], values: Sequence[float]) -> list[Counted]:
+    """:func:`count_rows`' rows, read (5 values per dtype group, flattened)."""
+    out = []
+    for index, name in enumerate(names):
+        nan, posinf, neginf, max_abs, any_finite = values[5 * index : 5 * index + 5]
+        out.append(
+            Counted(name, int(nan), int(posinf), int(neginf), max_abs if any_finite else None)
+        )
+    return out
+
+
+def exact_counts(tensors: Sequence[Any]) -> list[Counted]:
+    """:func:`count_rows`, read now. One fused norm per tensor first finds the
+    tensors that hold a NaN or infinity: only those are counted class by class;
+    the others need only their max abs (two host reads in all)."""
+    floating = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not floating:
+        return []
+    norms = torch.stack([n.to(floating[0].device) for n in _norms(floating)]).tolist()
+    suspect = [t for t, n in zip(floating, norms, strict=True) if not math.isfinite(n)]
+    clean = [t for t, n in zip(floating, norms, strict=True) if math.isfinite(n)]
+    readout = Readout()
+    names, rows = count_rows(suspect)
+    if names:
+        readout.add("rows", rows)
+    for dtype, group in _by_dtype(clean).items():
+        readout.add(
+            f"max/{safetensors_dtype(dtype)}", torch.stack([t.abs().amax().float() for t in group])
+        )
+    values = readout.read()
+    found = {c.dtype: c for c in counted(names, values.get("rows", []))}
+    for key, maxima in values.items():
+        if key.startswith("max/"):
+            dtype, top = key[4:], max(maxima)
+            before = found.get(dtype, Counted(dtype, 0, 0, 0, None))
+            best = top if before.max_abs is None else max(top, before.max_abs)
+            found[dtype] = Counted(dtype, before.nan, before.posinf, before.neginf, best)
+    return list(found.values())
+
+
+class Readout:
+    """Named device values packed into one float64 tensor and read with a single
+    host transfer."""
+
+    def __init__(self) -> None:
+        self._parts: list[Any] = []
+        self._slots: dict[str, tuple[int, int]] = {}
+        self._size = 0
+
+    def add(self, name: str, value: Any) -> None:
+        flat = value.detach().reshape(-1).double()
+        self._slots[name] = (self._size, self._size + flat.numel())
+        self._size += flat.numel()
+        self._parts.append(flat)
+
+    def read(self) -> dict[str, list[float]]:
+        if not self._parts:
+            return {}
+        device = self._parts[0].device
+        values = torch.cat([p.to(device) for p in self._parts]).tolist()  # the one sync
+        return {name: values[a:b] for name, (a, b) in self._slots.items()}

@@ -1,0 +1,395 @@
+"""The sentinel: holds the update, captures the failing step and warns early, from
+inside a PyTorch training loop.
+
+Adopting it takes two added lines, and the loop's forward call routed through
+it (and its clipping, if it clips)::
+
+    sentinel = Sentinel(model, optimizer, compute_loss, scaler=scaler, scheduler=scheduler,
+                        run_id="run-7", checkpoint={...}, data={...}, objective={...})
+    for batch in loader:
+        loss = sentinel.forward(batch)           # was: loss = compute_loss(model, batch)
+        ...                                      # backward, unscale_, step, update as before
+        if saved:                                # after the loop's own checkpoint
+            sentinel.checkpointed("ckpt-2000", verified_together=PARTS)
+
+It wraps ``optimizer.step``, ``scaler.step``/``update`` and ``scheduler.step`` on
+the instances. At each step it checks the loss before backward, the gradients
+after unscale and before clipping and the step, and the update after it, with
+one host read per step (see :mod:`.checks`). A non-finite loss or gradient:
+the optimizer, scheduler and scaler do not step, the model's buffers are put
+back, and under the ``hold`` policy the step is replayed on copies, its bundle
+written under ``incident_dir/<run>/<step>/`` and checked, and
+:class:`~nanrunbook.capture.incident.SentinelHold` raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from nanrunbook.capture.facts import Cursor, LoopFacts, recovery_point
+from nanrunbook.capture.incident import SentinelHold, rank_member
+from nanrunbook.capture.telemetry import (
+    Alert,
+    EarlyWarnings,
+    TelemetryFile,
+    Thresholds,
+)
+from nanrunbook.capture.torch.binding import add_weight, heaviest
+from nanrunbook.capture.torch.decide import STOP, Decisions
+from nanrunbook.capture.torch.evidence import StepObjects
+from nanrunbook.capture.torch.intercept import Intercepts
+from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
+from nanrunbook.capture.torch.recording import ExtremesSampler, leaf
+from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
+from nanrunbook.capture.torch.snapshot import Buffers, StateSnapshot, reset_scaler_step
+from nanrunbook.capture.torch.steps import ClipCall, StepRecord
+
+__all__ = ["Policy", "Sentinel"]
+
+log = logging.getLogger("nanrunbook.sentinel")
+Policy = Literal["hold", "skip"]
+
+
+def _refuse_closure_optimizer(optimizer: Any) -> None:
+    if isinstance(optimizer, torch.optim.LBFGS):
+        closure_required = True
+    else:
+        step = inspect.signature(type(optimizer).step).parameters.get("closure")
+        closure_required = step is not None and step.default is inspect.Parameter.empty
+    if closure_required:
+        raise TypeError(
+            f"{type(optimizer).__name__} steps with a closure that re-evaluates the loss inside"
+            " step(); the sentinel cannot check or hold what happens in there, nor replay it"
+        )
+
+
+def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
+    if loss_scale is None:
+        return None
+    if scaler is not None:
+        raise ValueError("give a static loss_scale or an enabled GradScaler, not both")
+    mantissa, _ = math.frexp(float(loss_scale))
+    if not (2.0**-24 <= float(loss_scale) <= 2.0**24) or mantissa != 0.5:
+        raise ValueError(f"loss_scale {loss_scale!r} is not a power of two in [2^-24, 2^24]")
+    return float(loss_scale)
+
+
+class Sentinel(Decisions):
+    """Watches one model, optimizer (and scaler, scheduler) of a training loop.
+
+    ``compute_loss(model, batch)`` is the loop's forward and loss, called by
+    :meth:`forward` on the real model and, on a hold, on copies; it must use the
+    model it is given. ``checkpoint`` is the binding item of the state the run
+    starts from, with its ``step`` (default 0) and ``verified_together`` (all
+    five parts: that state is the recovery point until :meth:`checkpointed`
+    names a newer one); ``data``, ``objective`` (with ``reduction``) and
+    ``loader_cursor`` (a mapping, or a callable returning one at capture) are
+    the other facts only the loop knows. Steps are numbered from the
+    checkpoint's step + 1.
+
+    ``scaler``: a ``torch.amp.GradScaler`` (its overflow skips are probing,
+    recorded, not incidents); ``loss_scale``: a static scale the loop applies
+    itself (it unscales the gradients before ``optimizer.step()``).
+    ``policy``: ``hold`` (capture, then raise SentinelHold) or ``skip``
+    (record, skip the update and continue; hold after ``skip_hold``
+    consecutive skips). ``snapshot``: copy the parameters and the optimizer,
+    scheduler and scaler state before each update, so that a non-finite update
+    is rolled back (memory: one more copy of the parameters and of the
+    optimizer state). ``telemetry``: the JSON-lines file (default
+    ``<incident_dir>/<run_id>/telemetry.jsonl``; False for none).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        compute_loss: Callable[[Any, Any], Any],
+        *,
+        run_id: str,
+        checkpoint: Mapping[str, Any],
+        data: Mapping[str, Any],
+        objective: Mapping[str, Any],
+        loader_cursor: Cursor = None,
+        scaler: Any = None,
+        scheduler: Any = None,
+        loss_scale: float | None = None,
+        policy: Policy = "hold",
+        thresholds: Thresholds | None = None,
+        snapshot: bool = False,
+        incident_dir: str | Path = "incident",
+        telemetry: str | Path | Literal[False] | None = None,
+        incident_owner: str = "ml-oncall",
+        modules: Callable[[str, Any], bool] | None = None,
+        process_group: Any = None,
+    ) -> None:
+        _refuse_closure_optimizer(optimizer)
+        if policy not in ("hold", "skip"):
+            raise ValueError(f"policy is 'hold' or 'skip', not {policy!r}")
+        self.facts = LoopFacts.of(
+            run_id=run_id,
+            incident_owner=incident_owner,
+            checkpoint=checkpoint,
+            data=data,
+            objective=objective,
+            loader_cursor=loader_cursor,
+        )
+        self.model, self.optimizer, self.compute_loss = model, optimizer, compute_loss
+        self.scaler: Any = scaler if scaler is not None and scaler.is_enabled() else None
+        self.scheduler = scheduler
+        self.loss_scale = _static_scale(loss_scale, self.scaler)
+        self.policy: Policy = policy
+        self.thresholds = thresholds or Thresholds()
+        self.incident_dir = Path(incident_dir)
+        self.ranks = Ranks(process_group)
+        self.objects = StepObjects(
+            model=getattr(model, "module", model)
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            else model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=self.scaler,
+            loss_scale=self.loss_scale,
+            compute_loss=compute_loss,
+            choose=modules or leaf,
+        )
+        self._local = self._local_gradients(model, process_group)
+        self._setup_state(snapshot, telemetry)
+        self._install()
+
+    def _local_gradients(self, model: Any, group: Any) -> LocalGradients | None:
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        try:
+            return LocalGradients(model, group)
+        except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
+            log.info("gradients are checked after the all-reduce only: %s", error)
+            return None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup_state(self, snapshot: bool, telemetry: str | Path | Literal[False] | None) -> None:
+        self.last_known_good: dict[str, Any] = dict(self.facts.start)
+        self.last_step = self.facts.start_step  # the last step decided
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        weights: dict[str, int] = {}
+        for param in self._params:
+            add_weight(weights, param)
+        self._grad_dtype = heaviest(weights)
+        self._step: StepRecord | None = None  # forward seen, no decision yet
+        self._pending: StepRecord | None = None  # updated, its flag not read yet
+        self._decided: StepRecord | None = None
+        # The step was not applied: its scaler.update and its scheduler.step pass.
+        self._skip_update = self._skip_scheduler = False
+        self._scheduler_per_step = True
+        self._scheduler_calls = 0
+        self._inside_scaler = False
+        self._carry: list[Alert] = []  # warnings for the next line
+        self._logged_codes: set[str] = set()
+        self._early = EarlyWarnings(self.thresholds)
+        self._snapshot = (
+            StateSnapshot(self.optimizer, self.scheduler, self.scaler) if snapshot else None
+        )
+        self._telemetry = (
+            None if telemetry is False else TelemetryFile(self._telemetry_path(telemetry))
+        )
+        self.closed = False
+
+    def _telemetry_path(self, given: str | Path | None) -> Path:
+        if given is not None:
+            return Path(given)
+        name = "telemetry.jsonl"
+        if self.ranks.several:
+            name = f"telemetry-{rank_member(self.ranks.rank)}.jsonl"
+        return self.incident_dir / self.facts.run_id / name
+
+    def _install(self) -> None:
+        self._intercepts = Intercepts()
+        self._intercepts.wrap(self.optimizer, "step", self._on_optimizer_step)
+        if self.scaler is not None:
+            self._intercepts.wrap(self.scaler, "step", self._on_scaler_step)
+            self._intercepts.wrap(self.scaler, "update", self._on_scaler_update)
+        if self.scheduler is not None:
+            self._intercepts.subclass(self.scheduler, "step", self._on_scheduler_step)
+        ref = weakref.ref(self)
+
+        def flush_at_exit() -> None:
+            sentinel = ref()
+            if sentinel is not None and not sentinel.closed:
+                sentinel._flush_quietly()
+
+        self._at_exit = flush_at_exit
+        atexit.register(flush_at_exit)
+
+    # --------------------------------------------------------------- the loop
+
+    def forward(self, batch: Any) -> Any:
+        """``compute_loss(model, batch)``, with the RNG state and autocast regions
+        taken before it (a replay repeats them); call it once per micro-batch."""
+        if self.closed:
+            raise RuntimeError("the sentinel is closed")
+        step = self._step or self._begin()
+        micro = MicroBatch(batch, RngState.now(), Autocast.now())
+        with step.sampler.hooked() if step.sampler is not None else nullcontext():
+            loss = self.compute_loss(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"compute_loss must return a scalar tensor, got {shape}")
+        step.micro.append(micro)
+        step.losses.append(loss.detach())
+        return loss
+
+    def clip_grad_norm_(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> Any:
+        """``torch.nn.utils.clip_grad_norm_``, same arguments and result. Its norm is
+        the gradient check (no second pass); the clipping is applied at the step,
+        once the gradients are known finite, and repeated by a replay."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        step = self._step
+        if step is None or not hasattr(torch.nn.utils, "get_total_norm"):
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite, foreach
+            )
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        step.clip = ClipCall(params, float(max_norm), float(norm_type), foreach, total)
+        return total
+
+    def checkpointed(
+        self, checkpoint_id: str, *, verified_together: Iterable[str], step: int | None = None
+    ) -> None:
+        """The loop saved a checkpoint after step ``step`` (default: the last one);
+        with all five parts verified together it becomes the last known-good state.
+        The last update is checked first: a checkpoint holding a non-finite update
+        is never a recovery point."""
+        if self._step is not None:
+            raise RuntimeError("checkpointed() between a forward and its optimizer step")
+        parts = list(verified_together)
+        at = self.last_step if step is None else step
+        point = recovery_point(checkpoint_id, at, parts)
+        if point is None:
+            alert = Alert(
+                "CHECKPOINT_NOT_RECOVERY_POINT",
+                f"checkpoint {checkpoint_id} verified {sorted(parts)}, not all five parts;"
+                f" the last known-good state stays {self.last_known_good['checkpoint_id']}",
+            )
+            # On the line of the step the checkpoint follows, when it is still unwritten.
+            (self._pending.warnings if self._pending is not None else self._carry).append(alert)
+        self._resolve_pending(checkpointing=checkpoint_id)  # holds on a non-finite update
+        if point is not None:
+            self.last_known_good = point
+
+    def close(self) -> None:
+        """Check the last update, write its line, and take the wrappers off."""
+        if self.closed:
+            return
+        try:
+            self._resolve_pending()
+        finally:
+            self._shut()
+
+    def __enter__(self) -> Sentinel:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if error is None:
+            self.close()
+        else:
+            self._flush_quietly()
+
+    def _shut(self) -> None:
+        self.closed = True
+        self._intercepts.remove()
+        if self._telemetry is not None:
+            self._telemetry.close()
+        atexit.unregister(self._at_exit)
+
+    def _flush_quietly(self) -> None:
+        try:
+            self._resolve_pending()
+        except SentinelHold as hold:
+            log.error("at exit: %s", hold)
+        except Exception:
+            log.exception("at exit: the last step's line could not be written")
+        finally:
+            self._shut()
+
+    # ------------------------------------------------------------ the wrappers
+
+    def _on_optimizer_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._inside_scaler or self.closed:
+            return original(*args, **kwargs)
+        if self._decide(scaler_path=False) is STOP:
+            return None
+        result = original(*args, **kwargs)
+        self._after_update()
+        return result
+
+    def _on_scaler_step(
+        self, original: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if self.closed or optimizer is not self.optimizer:
+            return original(optimizer, *args, **kwargs)
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self.scaler.unscale_(optimizer)  # as GradScaler.step would do itself
+        if self._decide(scaler_path=True) is STOP:
+            return None
+        self._inside_scaler = True
+        try:
+            result = original(optimizer, *args, **kwargs)
+        finally:
+            self._inside_scaler = False
+        if self._decided is not None and not self._decided.grads.found_inf:
+            self._after_update()
+        return result
+
+    def _on_scaler_update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._skip_update and not self.closed:
+            reset_scaler_step(self.scaler)  # the scale stays; only the step's bookkeeping goes
+            return None
+        return original(*args, **kwargs)
+
+    def _on_scheduler_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._scheduler_calls += 1
+        if self._skip_scheduler and self._scheduler_per_step and not self.closed:
+            self._skip_scheduler = False  # only the skipped step's own call
+            return None
+        return original(*args, **kwargs)
+
+    # ---------------------------------------------------------------- a step
+
+    def _begin(self) -> StepRecord:
+        self._scheduler_per_step = (
+            self._scheduler_calls > 0 or self.last_step == self.facts.start_step
+        )
+        self._scheduler_calls = 0
+        self._skip_update = self._skip_scheduler = False
+        number = self.last_step + 1
+        every = self.thresholds.sample_every
+        sampled = every > 0 and number % every == 0
+        self._step = StepRecord(
+            number=number,
+            time=time.time(),
+            buffers=Buffers(self.model),
+            sampler=ExtremesSampler(self.model, self.objects.choose) if sampled else None,
+        )
+        return self._step

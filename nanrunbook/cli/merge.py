@@ -1,0 +1,52 @@
+"""``nanrunbook merge``: one incident set's verdict from reports checked on several nodes."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+
+__all__ = ["merge"]
+
+ReportsArgument = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="REPORT",
+        parser=non_empty_path,
+        help="Files written by nanrunbook check --format json on each node.",
+        show_default=False,
+    ),
+]
+
+
+@command("Merge per-node check --format json reports into one incident set's verdict.")
+@guarded
+def merge(
+    reports: ReportsArgument,
+    format: Annotated[
+        CheckFormat, typer.Option("--format", "-f", help="Output format.")
+    ] = CheckFormat.text,
+) -> None:
+    """Merge per-node check --format json reports into one incident set's verdict.
+
+    Each node checks the rank bundles on its own disk (launched by the job's own
+    launcher: srun, torchrun, mpirun, pdsh) and writes its report; merge judges the
+    members they hold as one incident set, exactly as check would on one disk: HOLD
+    (exit 1), CONTINUE (exit 0) or rejected (exit 3). Reports of another contract,
+    run or step, or a rank seen twice, reject the set; a report that cannot be read
+    counts as a rejected member that declares no rank.
+
+    Example: nanrunbook merge reports/node-0.json reports/node-1.json --format kv
+    """
+    from nanrunbook.cli.judge import emit
+    from nanrunbook.output.renderers import RENDERERS
+    from nanrunbook.verdict.merge import merge_reports
+
+    result = merge_reports(reports)
+    emit(functools.partial(RENDERERS[format.value].incident_set, result, sys.stdout), sys.stdout)
+    raise typer.Exit(result.exit_code)

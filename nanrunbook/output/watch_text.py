@@ -1,0 +1,202 @@
+"""``watch --format text``: the summary an on-call engineer reads at a glance,
+with plots, and one line per live event. Lines of facts, built here as plain
+strings; the text renderer prints them through rich (colour on a terminal)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from nanrunbook.telemetry.summary import (
+    STEPS_KEPT,
+    HeadroomTrend,
+    Occurrences,
+    ScaleSummary,
+    Streak,
+    WatchEvent,
+    WatchSummary,
+)
+
+__all__ = ["STATUS_MEANING", "event_line", "summary_facts", "summary_sections"]
+
+STATUS_MEANING = {
+    "ALARM": "a held update or a non-finite step is recorded",
+    "WARNINGS": "warnings or bad lines, no hold and no non-finite step",
+    "OK": "nothing alarming",
+    "EMPTY": "no telemetry record",
+}
+
+
+def _g(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _steps(seen: Occurrences) -> str:
+    if not seen.count:
+        return "none"
+    shown = ", ".join(str(s) for s in seen.steps)
+    if seen.count > len(seen.steps):
+        return f"{seen.count}: steps {shown}, ... (first {STEPS_KEPT}), last {seen.last_step}"
+    return f"{seen.count}: step{'s' if seen.count > 1 else ''} {shown}"
+
+
+def _streak(streak: Streak | None, what: str) -> str:
+    if streak is None:
+        return ""
+    return (
+        f"; longest {what} streak {streak.length}"
+        f" (steps {streak.first_step} to {streak.last_step}, rank {streak.rank})"
+    )
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _scale(scale: ScaleSummary | None) -> str:
+    if scale is None:
+        return "none recorded"
+    backoffs = scale.backoffs.count
+    line = (
+        f"{scale.first:.10g} -> {scale.last:.10g} (least {scale.min:.10g}, most {scale.max:.10g})"
+    )
+    line += f"; {backoffs} backoff{'s' if backoffs != 1 else ''}"
+    if backoffs:
+        line += f" at {_steps(scale.backoffs).split(': ', 1)[1]}"
+    return line + _streak(scale.longest_backoff_streak, "backoff")
+
+
+def _headroom(trend: HeadroomTrend | None) -> str:
+    if trend is None:
+        return "unknown (no gradient max abs with a known dtype)"
+    line = (
+        f"{trend.dtype}, last {trend.points} records (steps {trend.first_step}"
+        f" to {trend.last_step}, rank {trend.rank}): {trend.first_bits:.1f} -> {trend.last_bits:.1f}"
+        f" bits (least {trend.min_bits:.1f}), {trend.direction}"
+    )
+    slope = trend.slope_bits_per_step
+    if trend.direction != "steady" and slope is not None:
+        line += f" {abs(slope):.3g} bits/step"
+    if trend.direction == "falling" and trend.steps_to_zero is not None:
+        line += f": 0 bits in about {trend.steps_to_zero:.0f} steps at this rate"
+    return line
+
+
+def _steps_line(summary: WatchSummary) -> str:
+    if summary.first_step is None:
+        return "none"
+    span = ""
+    if summary.first_time is not None and summary.last_time is not None:
+        span = f", {_time(summary.first_time)} to {_time(summary.last_time)}"
+    since = f" (from step {summary.since}: {summary.before_since} earlier records set aside)"
+    return f"{summary.first_step} to {summary.last_step}{span}" + (
+        since if summary.since is not None else ""
+    )
+
+
+def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
+    """(label, value) lines under the status line."""
+    bad = f", {summary.bad_lines} bad" if summary.bad_lines else ""
+    ranks = ", ".join(str(r) for r in summary.ranks[:8]) + (
+        " ..." if len(summary.ranks) > 8 else ""
+    )
+    first_warning = "none"
+    if summary.warnings:
+        first = min(summary.warnings, key=lambda w: w.first_step)
+        first_warning = f"step {first.first_step}: {first.code} ({first.source})"
+    nonfinite = "none"
+    if summary.first_nonfinite is not None:
+        found = summary.first_nonfinite
+        what, kind = found.part.split(":")
+        count = summary.nonfinite.count
+        nonfinite = f"step {found.step}: {what} {kind} (rank {found.rank}); {count} such step"
+        nonfinite += "s" if count != 1 else ""
+    facts = [
+        ("file", f"{summary.path}: {summary.lines} lines, {summary.records} records{bad}"),
+        (
+            "run",
+            f"{', '.join(summary.run_ids) or '-'}; rank {ranks or '-'} of {summary.world_size or '-'}",
+        ),
+        ("steps", _steps_line(summary)),
+        ("first warning", first_warning),
+        ("first non-finite", nonfinite),
+        ("held updates", _steps(summary.holds)),
+        ("skipped updates", _steps(summary.skips) + _streak(summary.longest_skip_streak, "skip")),
+        ("scaler overflows", _overflows(summary)),
+        ("loss scale", _scale(summary.scale)),
+        ("gradient headroom", _headroom(summary.headroom)),
+    ]
+    if summary.last is not None:
+        last = summary.last
+        loss = _g(last.loss) if last.loss_class == "finite" else last.loss_class
+        facts.append(
+            (
+                "last record",
+                f"step {last.step}: loss {loss}, grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}",
+            )
+        )
+    if summary.bundles:
+        facts.append(("bundles", ", ".join(summary.bundles)))
+    return facts
+
+
+def _overflows(summary: WatchSummary) -> str:
+    seen = summary.scaler_overflows
+    if not seen.count:
+        return "none"
+    return _steps(seen) + " (found inf, update skipped by the scaler: its probing, not an incident)"
+
+
+def summary_sections(summary: WatchSummary) -> Iterable[tuple[str, list[str]]]:
+    """(heading, lines) sections after the facts: warnings, bad lines, notes."""
+    if summary.warnings:
+        width = max(len(w.code) for w in summary.warnings)
+        lines = [
+            f"step {w.first_step:<8} {w.code:<{width}}  x{w.count:<6} ({w.source}) {w.message}"
+            for w in summary.warnings
+        ]
+        yield "Warnings, by the step each first appeared", lines
+    if summary.bad_lines:
+        lines = [f"line {b.line:<8} {b.kind}: {b.reason}" for b in summary.bad_examples]
+        shown = len(summary.bad_examples)
+        yield f"Bad lines: {summary.bad_lines} (the first {shown} shown)", lines
+    notes = _notes(summary)
+    if notes:
+        yield "Notes", notes
+
+
+def _notes(summary: WatchSummary) -> list[str]:
+    notes = []
+    if summary.incomplete is not None:
+        notes.append(
+            f"line {summary.incomplete.line} is incomplete ({summary.incomplete.size} bytes,"
+            " no newline yet): the writer may be mid-line; it is not counted"
+        )
+    if summary.step_regressions:
+        notes.append(
+            f"{summary.step_regressions} time(s) a rank's step went back (a resume from a checkpoint?)"
+        )
+    if summary.rotations or summary.truncations:
+        notes.append(
+            f"the file was rotated {summary.rotations} and truncated {summary.truncations} time(s)"
+            " while followed; line numbers restart at each"
+        )
+    if len(summary.run_ids) > 1:
+        notes.append("the file holds more than one run id")
+    return notes
+
+
+def event_line(event: WatchEvent) -> str:
+    """One live event as one line."""
+    where = f"step {event.step}" if event.step is not None else ""
+    if event.line is not None:
+        where = f"line {event.line}"
+    if event.kind == "warning":
+        return f"{where}  warning {event.code} ({event.source}): {event.message}"
+    if event.kind == "bad_line":
+        return f"{where}  bad line: {event.message}"
+    if event.kind in ("hold", "nonfinite"):
+        return f"{where}  {'HELD' if event.kind == 'hold' else 'NON-FINITE'}: {event.message}"
+    return f"{event.kind}: {event.message}"

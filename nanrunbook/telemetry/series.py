@@ -1,0 +1,141 @@
+"""Bounded, downsampled series of a run for plots.
+
+Records go into at most ``capacity`` buckets of ``width`` consecutive records
+each (in file order). When the buckets are full, neighbours are merged in pairs
+and the width doubles, so memory stays the same on a million lines as on a
+hundred, and every bucket keeps the extremes of what it covers: a single spike
+or a single skipped step is never averaged away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Downsampler", "SeriesBucket"]
+
+_INF = math.inf
+
+# Column positions in a bucket's working list.
+_FIRST, _LAST, _N, _LMIN, _LMAX, _GMAX, _HMIN, _SMIN, _SMAX, _SKIP, _HELD, _NONF = range(12)
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesBucket:
+    """Consecutive records: their step range and the extremes of each series."""
+
+    first_step: int
+    last_step: int
+    records: int
+    loss_min: float | None  # finite losses only
+    loss_max: float | None
+    grad_max_abs: float | None  # the largest finite gradient magnitude
+    headroom_min: float | None  # the least headroom, in bits
+    scale_min: float | None
+    scale_max: float | None
+    skipped: int
+    held: int
+    nonfinite: int  # steps with a non-finite loss, gradient or update the scaler did not absorb
+
+
+def _new(step: int) -> list[float]:
+    return [step, step, 0, _INF, -_INF, -_INF, _INF, _INF, -_INF, 0, 0, 0]
+
+
+def _merge(a: list[float], b: list[float]) -> list[float]:
+    return [
+        a[_FIRST],
+        b[_LAST],
+        a[_N] + b[_N],
+        min(a[_LMIN], b[_LMIN]),
+        max(a[_LMAX], b[_LMAX]),
+        max(a[_GMAX], b[_GMAX]),
+        min(a[_HMIN], b[_HMIN]),
+        min(a[_SMIN], b[_SMIN]),
+        max(a[_SMAX], b[_SMAX]),
+        a[_SKIP] + b[_SKIP],
+        a[_HELD] + b[_HELD],
+        a[_NONF] + b[_NONF],
+    ]
+
+
+def _finite(value: float) -> float | None:
+    return value if -_INF < value < _INF else None
+
+
+class Downsampler:
+    """At most ``capacity`` buckets (even, at least 2), merged in pairs as records come."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 2 or capacity % 2:
+            raise ValueError("capacity must be an even number of at least 2")
+        self.capacity = capacity
+        self.width = 1
+        self._records = 0
+        self._buckets: list[list[float]] = []
+
+    def add(
+        self,
+        step: int,
+        loss: float | None,
+        grad_max_abs: float | None,
+        headroom: float | None,
+        scale: float | None,
+        skipped: bool,
+        held: bool,
+        nonfinite: bool,
+    ) -> None:
+        index = self._records // self.width
+        if index == len(self._buckets):
+            if index == self.capacity:
+                self._halve()
+                index = self._records // self.width
+            if index == len(self._buckets):
+                self._buckets.append(_new(step))
+        bucket = self._buckets[index]
+        self._records += 1
+        bucket[_LAST] = step
+        bucket[_N] += 1
+        # Plain comparisons, not min()/max(): this runs once per line.
+        if loss is not None:
+            if loss < bucket[_LMIN]:
+                bucket[_LMIN] = loss
+            if loss > bucket[_LMAX]:
+                bucket[_LMAX] = loss
+        if grad_max_abs is not None and grad_max_abs > bucket[_GMAX]:
+            bucket[_GMAX] = grad_max_abs
+        if headroom is not None and headroom < bucket[_HMIN]:
+            bucket[_HMIN] = headroom
+        if scale is not None:
+            if scale < bucket[_SMIN]:
+                bucket[_SMIN] = scale
+            if scale > bucket[_SMAX]:
+                bucket[_SMAX] = scale
+        if skipped or held or nonfinite:
+            bucket[_SKIP] += skipped
+            bucket[_HELD] += held
+            bucket[_NONF] += nonfinite
+
+    def _halve(self) -> None:
+        pairs = zip(self._buckets[0::2], self._buckets[1::2], strict=True)
+        self._buckets = [_merge(a, b) for a, b in pairs]
+        self.width *= 2
+
+    def buckets(self) -> tuple[SeriesBucket, ...]:
+        return tuple(
+            SeriesBucket(
+                int(b[_FIRST]),
+                int(b[_LAST]),
+                int(b[_N]),
+                _finite(b[_LMIN]),
+                _finite(b[_LMAX]),
+                _finite(b[_GMAX]),
+                _finite(b[_HMIN]),
+                _finite(b[_SMIN]),
+                _finite(b[_SMAX]),
+                int(b[_SKIP]),
+                int(b[_HELD]),
+                int(b[_NONF]),
+            )
+            for b in self._buckets
+        )

@@ -1,0 +1,547 @@
+"""What a telemetry file says about a run, in bounded memory.
+
+:class:`Summariser` takes records one at a time (and bad lines, and notices from
+a follower) and keeps counts, the first few steps of each kind of occurrence,
+per-rank streaks, a sliding window of gradient headroom, and a bounded
+downsampled series; :meth:`Summariser.summary` freezes it into a
+:class:`WatchSummary`. ``add`` returns the :class:`WatchEvent` objects a live
+watcher prints as they happen.
+
+What the summariser derives itself, beside the warnings the lines carry (each
+documented in nanrunbook(1), WATCH):
+
+* a step is *non-finite* when its loss is, or its update is, or its gradients
+  are and a dynamic loss scaler did not absorb them (found_inf, skipped, finite
+  loss: the scaler's designed probing, counted apart as scaler overflows);
+* a *backoff* is a loss scale lower than the same rank's previous record; a
+  *streak* is consecutive records of one rank that each back off (or skip);
+* warnings where the lines lack them, under the check's codes where they mean
+  the same: AT_DTYPE_MAX (headroom 0 bits), NEAR_DTYPE_MAX (below 1 bit), and
+  HEADROOM_FALLING (the least-squares trend of the last ``window`` records'
+  headroom reaches 0 bits within ``window`` steps and has fallen at least 4
+  bits over the window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from nanrunbook.exits import Exit
+from nanrunbook.telemetry.reader import BadLine, IncompleteLine
+from nanrunbook.telemetry.record import TelemetryRecord, headroom_bits
+from nanrunbook.telemetry.series import Downsampler, SeriesBucket
+from nanrunbook.telemetry.trend import SlidingTrend
+
+__all__ = [
+    "DERIVED_CODES",
+    "WATCH_FORMAT",
+    "HeadroomTrend",
+    "NonFiniteStep",
+    "Occurrences",
+    "ScaleSummary",
+    "Streak",
+    "Summariser",
+    "WarningTally",
+    "WatchEvent",
+    "WatchSummary",
+]
+
+WATCH_FORMAT = "nanrunbook-watch/1"
+DEFAULT_WINDOW = 50
+STEPS_KEPT = 10  # first steps listed per kind of occurrence
+BAD_LINES_KEPT = 5
+MAX_CODES = 64  # distinct warning codes tallied; more fold into OTHER_CODES
+MAX_RANKS = 1024  # ranks with their own streaks and trend; more share one
+MAX_RUN_IDS = 8
+TREND_MIN_POINTS = 8
+TREND_MIN_DROP_BITS = 4.0
+MESSAGE_KEPT = 300  # characters of a warning's first message
+
+Source = Literal["telemetry", "watch"]
+# The warning codes the summariser derives itself (nanrunbook.warning_codes).
+DERIVED_CODES = ("AT_DTYPE_MAX", "NEAR_DTYPE_MAX", "HEADROOM_FALLING")
+
+
+@dataclass(frozen=True, slots=True)
+class Occurrences:
+    count: int
+    steps: tuple[int, ...]  # the first STEPS_KEPT
+    last_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Streak:
+    """Consecutive records of one rank with the same occurrence."""
+
+    length: int
+    first_step: int
+    last_step: int
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarningTally:
+    code: str
+    count: int
+    first_step: int
+    last_step: int
+    message: str  # the first occurrence's, cut at MESSAGE_KEPT characters
+    source: Source  # "telemetry": carried by the lines; "watch": derived here
+
+
+@dataclass(frozen=True, slots=True)
+class NonFiniteStep:
+    step: int
+    rank: int
+    part: str  # loss:nan, grad:posinf, update:neginf...
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleSummary:
+    first: float
+    last: float
+    min: float
+    max: float
+    backoffs: Occurrences
+    longest_backoff_streak: Streak | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeadroomTrend:
+    """Gradient headroom over the last window of one rank (the one with the least)."""
+
+    rank: int
+    dtype: str
+    points: int
+    first_step: int
+    last_step: int
+    first_bits: float
+    last_bits: float
+    min_bits: float
+    slope_bits_per_step: float | None  # least squares; None with one point
+    steps_to_zero: float | None  # at that slope, when falling
+
+    @property
+    def direction(self) -> str:
+        slope = self.slope_bits_per_step
+        if slope is None or abs(slope) * max(1, self.last_step - self.first_step) < 1.0:
+            return "steady"  # less than a bit over the window
+        return "falling" if slope < 0 else "rising"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """Something a live watcher says as it happens.
+
+    kind: warning, hold, nonfinite, bad_line, incomplete, following, rotated,
+    truncated, missing.
+    """
+
+    kind: str
+    message: str
+    step: int | None = None
+    line: int | None = None
+    code: str | None = None
+    source: Source | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchSummary:
+    path: str
+    window: int
+    since: int | None
+    lines: int
+    records: int  # valid records at or after --since
+    before_since: int  # valid records before --since, read and set aside
+    bad_lines: int
+    bad_examples: tuple[BadLine, ...]
+    incomplete: IncompleteLine | None
+    run_ids: tuple[str, ...]
+    ranks: tuple[int, ...]
+    world_size: int | None
+    first_step: int | None
+    last_step: int | None
+    first_time: float | None
+    last_time: float | None
+    step_regressions: int  # a rank's step lower than its previous one (a resume)
+    holds: Occurrences
+    skips: Occurrences
+    longest_skip_streak: Streak | None
+    scaler_overflows: Occurrences
+    scale: ScaleSummary | None
+    nonfinite: Occurrences
+    first_nonfinite: NonFiniteStep | None
+    warnings: tuple[WarningTally, ...]  # by first step
+    headroom: HeadroomTrend | None
+    bundles: tuple[str, ...]
+    last: TelemetryRecord | None
+    series: tuple[SeriesBucket, ...]
+    rotations: int
+    truncations: int
+
+    @property
+    def first_warning_step(self) -> int | None:
+        return min((w.first_step for w in self.warnings), default=None)
+
+    @property
+    def status(self) -> str:
+        """ALARM (a hold or a non-finite step), WARNINGS (warnings or bad lines),
+        OK, or EMPTY (no record)."""
+        if self.holds.count or self.nonfinite.count:
+            return "ALARM"
+        if not (self.records or self.before_since):
+            return "EMPTY"  # nothing parseable, whatever else the file holds
+        return "WARNINGS" if self.warnings or self.bad_lines else "OK"
+
+    def exit_code(self, *, fail_on_warnings: bool = False) -> Exit:
+        status = self.status
+        if status == "ALARM":
+            return Exit.HOLD
+        if status == "EMPTY":
+            return Exit.REJECTED
+        if status == "WARNINGS" and fail_on_warnings:
+            return Exit.WARNINGS
+        return Exit.CONTINUE
+
+
+class _Seen:
+    """Occurrences being counted."""
+
+    __slots__ = ("count", "last", "steps")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.steps: list[int] = []
+        self.last: int | None = None
+
+    def add(self, step: int) -> None:
+        self.count += 1
+        self.last = step
+        if len(self.steps) < STEPS_KEPT:
+            self.steps.append(step)
+
+    def frozen(self) -> Occurrences:
+        return Occurrences(self.count, tuple(self.steps), self.last)
+
+
+class _Run:
+    """A streak being counted; ``best`` is the longest so far."""
+
+    __slots__ = ("first", "length")
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.first = 0
+
+    def extend(self, on: bool, step: int, rank: int, best: Streak | None) -> Streak | None:
+        if not on:
+            self.length = 0
+            return best
+        if self.length == 0:
+            self.first = step
+        self.length += 1
+        if best is None or self.length > best.length:
+            return Streak(self.length, self.first, step, rank)
+        return best
+
+
+class _Tally:
+    __slots__ = ("code", "count", "first", "last", "message", "source")
+
+    def __init__(self, code: str, step: int, message: str, source: Source) -> None:
+        self.code = code
+        self.count = 0
+        self.first = step
+        self.last = step
+        self.message = message[:MESSAGE_KEPT]
+        self.source: Source = source
+
+    def frozen(self) -> WarningTally:
+        return WarningTally(self.code, self.count, self.first, self.last, self.message, self.source)
+
+
+class _Rank:
+    """What one rank's previous records leave for the next one."""
+
+    __slots__ = ("backoffs", "dtype", "falling", "scale", "skips", "step", "trend")
+
+    def __init__(self, window: int) -> None:
+        self.step: int | None = None
+        self.scale: float | None = None
+        self.skips = _Run()
+        self.backoffs = _Run()
+        self.trend = SlidingTrend(window)
+        self.dtype = ""
+        self.falling = False
+
+
+_OVERFLOW_RANK = -1  # ranks beyond MAX_RANKS share this state
+
+
+class Summariser:
+    """Feed records in file order; ask for the summary at any time."""
+
+    def __init__(
+        self, path: str = "", *, since: int | None = None, window: int = DEFAULT_WINDOW
+    ) -> None:
+        if window < TREND_MIN_POINTS:
+            raise ValueError(f"the window must hold at least {TREND_MIN_POINTS} records")
+        self.path = path
+        self.since = since
+        self.window = window
+        self.records = 0
+        self.before_since = 0
+        self.bad_lines = 0
+        self.bad_examples: list[BadLine] = []
+        self.incomplete: IncompleteLine | None = None
+        self.rotations = 0
+        self.truncations = 0
+        self._run_ids: dict[str, None] = {}
+        self._ranks: dict[int, _Rank] = {}
+        self._world_size: int | None = None
+        self._first: TelemetryRecord | None = None
+        self._last: TelemetryRecord | None = None
+        self._regressions = 0
+        self._holds, self._skips, self._overflows = _Seen(), _Seen(), _Seen()
+        self._backoffs, self._nonfinite = _Seen(), _Seen()
+        self._skip_best: Streak | None = None
+        self._backoff_best: Streak | None = None
+        self._scale: list[float] | None = None  # first, last, min, max
+        self._first_nonfinite: NonFiniteStep | None = None
+        self._tallies: dict[str, _Tally] = {}
+        self._bundles: dict[str, None] = {}
+        self._series = Downsampler()
+
+    # ------------------------------------------------------------ feeding
+
+    def add(self, record: TelemetryRecord) -> list[WatchEvent]:
+        """Count one record; returns what a live watcher should say about it."""
+        step = record.step
+        if self.since is not None and step < self.since:
+            self.before_since += 1
+            return []
+        self.records += 1
+        state = self._rank(record)
+        events: list[WatchEvent] = []
+        self._scaler(record, state)
+        part = record.nonfinite_part()
+        if part is not None:
+            self._record_nonfinite(record, part, events)
+        if record.held:
+            self._holds.add(step)
+            where = f"; bundle {record.bundle}" if record.bundle else ""
+            message = f"the sentinel held the update (rank {record.rank}){where}"
+            events.append(WatchEvent("hold", message, step=step))
+        if record.bundle is not None and len(self._bundles) < MAX_RUN_IDS:
+            self._bundles[record.bundle] = None
+        for warning in record.warnings:
+            self._warn(warning.code, step, warning.message, "telemetry", events)
+        bits = self._derived_warnings(record, state, events)
+        grad = record.grad
+        self._series.add(
+            step,
+            record.loss,
+            grad.max_abs,
+            bits,
+            record.scale,
+            record.skipped,
+            record.held,
+            part is not None,
+        )
+        state.step = step
+        self._last = record
+        return events
+
+    def add_bad(self, bad: BadLine) -> WatchEvent:
+        self.bad_lines += 1
+        if len(self.bad_examples) < BAD_LINES_KEPT:
+            self.bad_examples.append(bad)
+        return WatchEvent("bad_line", f"{bad.kind}: {bad.reason}", line=bad.line, code=bad.kind)
+
+    def add_incomplete(self, incomplete: IncompleteLine | None) -> None:
+        """The file ends inside this line (or, with None, no longer does)."""
+        self.incomplete = incomplete
+
+    def notice(self, kind: str, message: str) -> WatchEvent:
+        """A follower's notice: rotated, truncated, missing or following."""
+        if kind == "rotated":
+            self.rotations += 1
+        elif kind == "truncated":
+            self.truncations += 1
+        return WatchEvent(kind, message)
+
+    # ------------------------------------------------------------ the parts
+
+    def _rank(self, record: TelemetryRecord) -> _Rank:
+        if self._first is None:
+            self._first = record
+        if record.run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
+            self._run_ids[record.run_id] = None
+        if self._world_size is None or record.world_size > self._world_size:
+            self._world_size = record.world_size
+        state = self._ranks.get(record.rank)
+        if state is None:
+            key = record.rank if len(self._ranks) < MAX_RANKS else _OVERFLOW_RANK
+            state = self._ranks.setdefault(key, _Rank(self.window))
+        if state.step is not None and record.step < state.step:
+            self._regressions += 1
+        return state
+
+    def _scaler(self, record: TelemetryRecord, state: _Rank) -> None:
+        step, rank, scale, skipped = record.step, record.rank, record.scale, record.skipped
+        if skipped:
+            self._skips.add(step)
+            if record.found_inf is True:
+                self._overflows.add(step)
+        if skipped or state.skips.length:  # a streak to extend or to end
+            self._skip_best = state.skips.extend(skipped, step, rank, self._skip_best)
+        if scale is None:
+            return
+        backoff = state.scale is not None and scale < state.scale
+        if backoff:
+            self._backoffs.add(step)
+        if backoff or state.backoffs.length:
+            self._backoff_best = state.backoffs.extend(backoff, step, rank, self._backoff_best)
+        state.scale = scale
+        kept = self._scale
+        if kept is None:
+            self._scale = [scale, scale, scale, scale]
+            return
+        kept[1] = scale
+        if scale < kept[2]:
+            kept[2] = scale
+        elif scale > kept[3]:
+            kept[3] = scale
+
+    def _record_nonfinite(
+        self, record: TelemetryRecord, part: str, events: list[WatchEvent]
+    ) -> None:
+        self._nonfinite.add(record.step)
+        if self._first_nonfinite is None:
+            self._first_nonfinite = NonFiniteStep(record.step, record.rank, part)
+        what, kind = part.split(":")
+        message = f"non-finite {what} ({kind}) on rank {record.rank}"
+        events.append(WatchEvent("nonfinite", message, step=record.step, code=part))
+
+    def _warn(
+        self, code: str, step: int, message: str, source: Source, events: list[WatchEvent] | None
+    ) -> None:
+        tally = self._tallies.get(code)
+        if tally is None:
+            if len(self._tallies) >= MAX_CODES:
+                code = "OTHER_CODES"
+                message = f"(more than {MAX_CODES} distinct codes) {message}"
+            tally = self._tallies.setdefault(code, _Tally(code, step, message, source))
+        tally.count += 1
+        tally.last = step
+        if events is not None:
+            events.append(WatchEvent("warning", message, step=step, code=code, source=source))
+
+    def _derived_warnings(
+        self, record: TelemetryRecord, state: _Rank, events: list[WatchEvent]
+    ) -> float | None:
+        """Headroom warnings the line does not carry itself; returns the headroom."""
+        grad = record.grad
+        bits = grad.headroom_bits
+        if bits is None:
+            bits = headroom_bits(grad.max_abs, grad.dtype)
+            if bits is None:
+                return None
+        step = record.step
+        dtype = grad.dtype or "unknown dtype"
+        if bits < 1.0:
+            code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
+            if all(w.code != code for w in record.warnings):
+                message = (
+                    f"gradient max abs {grad.max_abs:.6g} is {bits:.2f} bits below the {dtype} max"
+                )
+                self._warn(code, step, message, "watch", events)
+        state.dtype = dtype
+        state.trend.add(step, bits)
+        falling = self._falling(state.trend, bits)
+        if falling is not None:
+            slope, steps = falling
+            message = (
+                f"gradient headroom {bits:.1f} bits ({dtype}), falling {-slope:.2f} bits/step:"
+                f" the dtype's max in about {steps:.0f} steps at this rate"
+            )
+            self._warn(
+                "HEADROOM_FALLING", step, message, "watch", None if state.falling else events
+            )
+        state.falling = falling is not None
+        return bits
+
+    def _falling(self, trend: SlidingTrend, bits: float) -> tuple[float, float] | None:
+        """(slope, steps to 0 bits) when the trend warns, else None."""
+        if len(trend.points) < TREND_MIN_POINTS:
+            return None
+        slope = trend.slope()
+        if slope is None or slope >= 0 or -slope * trend.span() < TREND_MIN_DROP_BITS:
+            return None
+        steps = bits / -slope
+        return (slope, steps) if steps <= self.window else None
+
+    # ------------------------------------------------------------ freezing
+
+    def _headroom(self) -> HeadroomTrend | None:
+        """The trend of the rank whose last headroom is least."""
+        candidates = [
+            (s.trend.points[-1][1], r, s) for r, s in self._ranks.items() if s.trend.points
+        ]
+        if not candidates:
+            return None
+        _, rank, state = min(candidates, key=lambda c: (c[0], c[1]))
+        trend = state.trend
+        values = [v for _, v in trend.points]
+        slope = trend.slope()
+        last = values[-1]
+        to_zero = last / -slope if slope is not None and slope < 0 else None
+        return HeadroomTrend(
+            rank, state.dtype, len(values), trend.first_step(), trend.last_step(),
+            values[0], last, min(values), slope, to_zero,
+        )  # fmt: skip
+
+    def _scale_summary(self) -> ScaleSummary | None:
+        if self._scale is None:
+            return None
+        first, last, low, high = self._scale
+        return ScaleSummary(first, last, low, high, self._backoffs.frozen(), self._backoff_best)
+
+    def summary(self, lines: int = 0) -> WatchSummary:
+        """The summary so far; ``lines`` is how many lines the reader has read."""
+        first, last = self._first, self._last
+        tallies = sorted(self._tallies.values(), key=lambda t: (t.first, t.code))
+        return WatchSummary(
+            path=self.path,
+            window=self.window,
+            since=self.since,
+            lines=lines,
+            records=self.records,
+            before_since=self.before_since,
+            bad_lines=self.bad_lines,
+            bad_examples=tuple(self.bad_examples),
+            incomplete=self.incomplete,
+            run_ids=tuple(self._run_ids),
+            ranks=tuple(sorted(r for r in self._ranks if r != _OVERFLOW_RANK)),
+            world_size=self._world_size,
+            first_step=None if first is None else first.step,
+            last_step=None if last is None else last.step,
+            first_time=None if first is None else first.time,
+            last_time=None if last is None else last.time,
+            step_regressions=self._regressions,
+            holds=self._holds.frozen(),
+            skips=self._skips.frozen(),
+            longest_skip_streak=self._skip_best,
+            scaler_overflows=self._overflows.frozen(),
+            scale=self._scale_summary(),
+            nonfinite=self._nonfinite.frozen(),
+            first_nonfinite=self._first_nonfinite,
+            warnings=tuple(t.frozen() for t in tallies),
+            headroom=self._headroom(),
+            bundles=tuple(self._bundles),
+            last=last,
+            series=self._series.buckets(),
+            rotations=self.rotations,
+            truncations=self.truncations,
+        )

@@ -1,0 +1,104 @@
+"""Summarising a telemetry file once, or as it grows: readers and the summariser joined."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from nanrunbook.telemetry.follow import Follower, FollowNotice
+from nanrunbook.telemetry.reader import BadLine, IncompleteLine, TelemetryReader
+from nanrunbook.telemetry.record import TelemetryRecord
+from nanrunbook.telemetry.summary import DEFAULT_WINDOW, Summariser, WatchEvent, WatchSummary
+
+__all__ = ["FollowInterrupted", "consume", "follow", "summarise_file"]
+
+
+class FollowInterrupted(KeyboardInterrupt):
+    """Ctrl-C while following; ``summary`` is everything read until then."""
+
+    def __init__(self, summary: WatchSummary) -> None:
+        super().__init__()
+        self.summary = summary
+
+
+def summarise_file(
+    path: Path | str, *, since: int | None = None, window: int = DEFAULT_WINDOW
+) -> WatchSummary:
+    """The summary of the whole file as it is now, streamed in bounded memory.
+    Raises TelemetryUnreadable when the path cannot be read at all."""
+    summariser = Summariser(str(path), since=since, window=window)
+    reader = TelemetryReader(path)
+    for item in reader:
+        if isinstance(item, IncompleteLine):
+            summariser.add_incomplete(item)
+        else:
+            consume(summariser, item)
+    return summariser.summary(lines=reader.lines)
+
+
+Item = TelemetryRecord | BadLine | FollowNotice
+
+
+def consume(summariser: Summariser, item: Item) -> list[WatchEvent]:
+    """Count one item; the events a live watcher says about it."""
+    if isinstance(item, TelemetryRecord):
+        return summariser.add(item)
+    if isinstance(item, BadLine):
+        return [summariser.add_bad(item)]
+    return [summariser.notice(item.kind, item.message)]
+
+
+def follow(
+    summariser: Summariser,
+    on_event: Callable[[WatchEvent], bool | None],
+    *,
+    poll_interval: float = 0.1,
+    stop_after_idle: float | None = None,
+    until_step: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> WatchSummary:
+    """Summarise ``summariser.path`` as it grows, calling ``on_event`` for what
+    happens after the lines already there (those are counted quietly, then one
+    ``following`` event says where reading stands). Returns when a record at or
+    past ``until_step`` has been read, after ``stop_after_idle`` seconds without
+    a new line, when ``on_event`` returns False (its reader went away), or
+    never: Ctrl-C raises FollowInterrupted, which carries the summary of
+    everything read."""
+    follower = Follower(summariser.path)
+    try:
+        stop = False
+        for item in follower.read_available():
+            consume(summariser, item)
+            stop = stop or _reached(item, until_step)
+        following = summariser.notice("following", _following(follower, summariser))
+        stop = on_event(following) is False or stop
+        idle_since = clock()
+        while not stop:
+            if stop_after_idle is not None and clock() - idle_since >= stop_after_idle:
+                break
+            sleep(poll_interval)
+            items = follower.read_available()
+            if items:
+                idle_since = clock()
+            for item in items:
+                for event in consume(summariser, item):
+                    stop = on_event(event) is False or stop
+                stop = stop or _reached(item, until_step)
+    except KeyboardInterrupt:
+        summariser.add_incomplete(follower.incomplete())
+        raise FollowInterrupted(summariser.summary(lines=follower.lines)) from None
+    finally:
+        follower.close()
+    summariser.add_incomplete(follower.incomplete())
+    return summariser.summary(lines=follower.lines)
+
+
+def _reached(item: Item, until_step: int | None) -> bool:
+    return until_step is not None and isinstance(item, TelemetryRecord) and item.step >= until_step
+
+
+def _following(follower: Follower, summariser: Summariser) -> str:
+    read = f"read {follower.lines} lines, {summariser.records} records of {follower.path}"
+    return f"{read}; waiting for new lines (Ctrl-C to stop)"

@@ -1,0 +1,285 @@
+"""Real training loops for the sentinel's tests: small models, real arithmetic, a
+handful of steps each. A loop runs a step function until the sentinel holds,
+keeping every bit of the real state before each step to compare with after."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, probe, tensor_to_raw
+
+PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
+
+
+def facts(run_id: str, tmp: Path, **more: Any) -> dict[str, Any]:
+    """The loop's own statement, and where the sentinel writes."""
+    return {
+        "run_id": run_id,
+        "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
+        "data": {"id": "synthetic"},
+        "objective": {"id": "objective", "reduction": "mean"},
+        "incident_dir": tmp / "incident",
+        **more,
+    }
+
+
+def bits(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
+    raw = tensor_to_raw(tensor)
+    return raw.dtype, raw.shape, raw.data
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return bits(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def state_bits(
+    model: nn.Module, optimizer: Any, scheduler: Any = None, scaler: Any = None, same: bool = True
+) -> Any:
+    """Every bit of the real state a step could change: parameters and buffers
+    (and, with ``same``, that they are the same tensor objects), optimizer state
+    and hyperparameters, scheduler and scaler state."""
+    ident = id if same else (lambda value: None)
+    state: dict[str, Any] = {
+        name: (ident(value), bits(value))
+        for name, value in model.state_dict(keep_vars=True).items()
+    }
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state["params"] = [(ident(p), bits(p)) for p in params]
+    state["optimizer"] = _plain(optimizer.state_dict())
+    if scheduler is not None:
+        state["scheduler"] = _plain(scheduler.state_dict())
+    if scaler is not None:
+        state["scaler"] = _plain(scaler.state_dict())
+        state["scaler/_scale"] = None if scaler._scale is None else bits(scaler._scale)
+        tracker = scaler._growth_tracker
+        state["scaler/_growth_tracker"] = None if tracker is None else bits(tracker)
+    return state
+
+
+@dataclass
+class Ran:
+    """What a loop run under the sentinel ended with."""
+
+    hold: SentinelHold | None
+    steps: int  # steps started
+    before: dict[int, Any] = field(default_factory=dict)  # step -> state before it
+    losses: dict[int, Any] = field(default_factory=dict)  # step -> the loss the loop saw
+
+
+def run_loop(
+    step: Callable[[int], Any],
+    steps: int,
+    state: Callable[[], Any],
+) -> Ran:
+    """``step(i)`` runs training step i (1-based) and returns its loss."""
+    ran = Ran(None, 0)
+    for i in range(1, steps + 1):
+        ran.before[i] = state()
+        ran.steps = i
+        try:
+            ran.losses[i] = step(i)
+        except SentinelHold as hold:
+            ran.hold = hold
+            break
+    return ran
+
+
+def telemetry(tmp: Path, run_id: str) -> list[dict[str, Any]]:
+    path = tmp / "incident" / run_id / "telemetry.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def bundles(tmp: Path, run_id: str) -> list[Path]:
+    root = tmp / "incident" / run_id
+    if not root.exists():
+        return []
+    return sorted(p.parent for p in root.rglob("manifest.json"))
+
+
+def params_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# ------------------------------------------------------------------ models
+
+
+class Regressor(nn.Module):
+    """A small MLP with dropout and batch norm: replays must repeat both."""
+
+    def __init__(self, features: int = 8, width: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(features, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Dropout(0.1)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).squeeze(1)
+
+
+class Classifier(nn.Module):
+    def __init__(self, features: int = 16, width: int = 64, classes: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(features, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Pooler(nn.Module):
+    """Token embeddings, a masked mean pooled by functional code between leaf
+    modules (no module boundary shows it), a head."""
+
+    def __init__(self, vocab: int = 50, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.proj = nn.Linear(width, width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(self.embed(tokens)))
+        weights = mask.unsqueeze(-1)
+        pooled = probe("pool.mean", (h * weights).sum(1) / weights.sum(1))  # 0/0 on an empty row
+        return self.head(pooled)
+
+
+def regression_batch(step: int, size: int = 16, features: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(size, features, generator=g)
+    return {"x": x, "y": x.sum(1) + 0.1 * torch.randn(size, generator=g)}
+
+
+def mse(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def drifting_batch(step: int, drift_from: int) -> dict[str, torch.Tensor]:
+    """Feature 3 drifts into raw units (x1.4 a step) from ``drift_from`` on: finite
+    in float32, eventually beyond float16 under autocast."""
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(32, 16, generator=g)
+    y = (x @ torch.linspace(-1, 1, 64).reshape(16, 4)).argmax(1)
+    if step > drift_from:
+        x[:, 3] = x[:, 3].abs() * 100 * 1.4 ** (step - drift_from)
+    return {"x": x, "y": y}
+
+
+def xent(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def quiet_thresholds(**changes: Any) -> Thresholds:
+    return Thresholds(**{"sample_every": 5, **changes})
+
+
+__all__ = [
+    "PARTS",
+    "Classifier",
+    "Pooler",
+    "Ran",
+    "Regressor",
+    "Sentinel",
+    "bits",
+    "bundles",
+    "drifting_batch",
+    "facts",
+    "mse",
+    "params_finite",
+    "quiet_thresholds",
+    "regression_batch",
+    "run_loop",
+    "state_bits",
+    "telemetry",
+    "xent",
+]
+
+
+# ------------------------------------------------------------ several ranks
+
+
+def rank_worker(rank: int, world: int, tmp: str, scenario: str) -> None:
+    """One rank of a data-parallel job (gloo, CPU) under the sentinel; writes what
+    it ended with to ``<tmp>/result-<rank>.json``."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(Path(tmp) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        result = _rank_loop(rank, Path(tmp), scenario)
+    finally:
+        dist.destroy_process_group()
+    (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
+    torch.manual_seed(0)  # the same initial model on every rank
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    jump = 3000.0 if scenario == "blowup" else 1.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 5 else jump)
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
+
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        loss_fn,
+        scheduler=scheduler,
+        thresholds=Thresholds(sample_every=0),
+        **facts(scenario, tmp),
+    )
+    ran = Ran(None, 0)
+    for i in range(1, 13 if scenario == "healthy" else 40):
+        ran.before[i] = state_bits(net, optimizer, scheduler)
+        ran.steps = i
+        batch = regression_batch(100 * rank + i)
+        if scenario == "nan-rank1" and rank == 1 and i == 3:
+            batch["x"][2, 5] = float("nan")
+        try:
+            optimizer.zero_grad()
+            loss = sentinel.forward(batch)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+        except SentinelHold as hold:
+            ran.hold = hold
+            break
+    sentinel.close()
+    hold = ran.hold
+    return {
+        "steps": ran.steps,
+        "held": hold.step if hold else None,
+        "bundle": str(hold.bundle) if hold and hold.bundle else None,
+        "stage": hold.stage if hold else None,
+        "reason": hold.reason if hold else None,
+        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        "finite": params_finite(net),
+        "untouched": bool(hold) and state_bits(net, optimizer, scheduler) == ran.before[ran.steps],
+        "changed": _changed(state_bits(net, optimizer, scheduler), ran.before[ran.steps]),
+    }
+
+
+def _changed(after: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """The state entries that differ (for a failing assertion's message)."""
+    return sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))
