@@ -753,3 +753,24 @@ def test_the_writer_imports_no_framework() -> None:
     refusal, dtype = done.stdout.strip().splitlines()
     assert "import the capture module" in refusal and "nanrunbook.capture.torch" in refusal
     assert dtype == "BF16"
+
+
+def test_a_large_stage_is_sealed_in_parallel_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counting and hashing spread over threads give the manifest a sequential
+    pass gives, entry for entry, in capture order."""
+    rng = np.random.default_rng(3)
+    tensors = [
+        (f"t{i}", rng.standard_normal(1000 * (i % 5 + 1)).astype("<f4"), "p") for i in range(40)
+    ]
+    tensors[7][1][3] = np.nan
+
+    def manifest(threshold: int) -> dict[str, Any]:
+        monkeypatch.setattr(writer_module, "_PARALLEL_BYTES", threshold)
+        w = new_writer()
+        w.observe("input", tensors, owner=OWNER, probe_source="p")
+        w.not_run_rest(owner=OWNER, reason="stopped")
+        return w.manifest()
+
+    assert manifest(0) == manifest(1 << 40)

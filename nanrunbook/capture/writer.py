@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
 from nanrunbook.manifest.parse import RECOVERY_PARTS
 from nanrunbook.records import STAGE_ORDER, Counts
 from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path
-from nanrunbook.tensors.counting import combine, tally_bytes
+from nanrunbook.tensors.counting import Tally, combine, tally_bytes
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
 if TYPE_CHECKING:
@@ -104,6 +105,27 @@ def as_raw(value: Any) -> RawTensor:
         array = array.astype(array.dtype.newbyteorder("<"))
     data = np.ascontiguousarray(array).tobytes()
     return RawTensor(name, shape, data)
+
+
+def _seal(raw: RawTensor) -> tuple[Tally, str]:
+    return tally_bytes(raw.dtype, raw.data), hashlib.sha256(raw.data).hexdigest()
+
+
+# Below this many bytes a stage is counted and hashed in the calling thread.
+_PARALLEL_BYTES = 8 << 20
+
+
+def _seal_all(raws: list[RawTensor]) -> list[tuple[Tally, str]]:
+    """Counts and SHA-256 of each tensor, in order; a large stage is spread over
+    one thread per core (hashlib and numpy release the GIL), as check does."""
+    if len(raws) < 2 or sum(len(r.data) for r in raws) < _PARALLEL_BYTES:
+        return [_seal(raw) for raw in raws]
+    from concurrent.futures import ThreadPoolExecutor
+
+    by_size = sorted(range(len(raws)), key=lambda i: -len(raws[i].data))  # longest first
+    with ThreadPoolExecutor(max_workers=min(len(raws), os.cpu_count() or 1)) as pool:
+        done = dict(zip(by_size, pool.map(_seal, [raws[i] for i in by_size]), strict=True))
+    return [done[i] for i in range(len(raws))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +221,13 @@ class BundleWriter:
         record = self._base(
             stage, "OBSERVED", owner, probe_source, telemetry_id, tensor_set_id, gradients
         )
-        captured: list[_Captured] = []
-        tallies = []
-        for name, value, probe in tensors:
-            raw = as_raw(value)
-            tally = tally_bytes(raw.dtype, raw.data)
-            tallies.append(tally)
-            captured.append(_Captured(name, raw, probe, hashlib.sha256(raw.data).hexdigest()))
-        total = combine(tallies)
+        raws = [(name, as_raw(value), probe) for name, value, probe in tensors]
+        sealed = _seal_all([raw for _, raw, _ in raws])
+        captured = [
+            _Captured(name, raw, probe, digest)
+            for (name, raw, probe), (_, digest) in zip(raws, sealed, strict=True)
+        ]
+        total = combine([tally for tally, _ in sealed])
         record.update(
             resolution="complete",
             tensors=[
