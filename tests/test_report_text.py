@@ -18,6 +18,7 @@ from fixtures_support import OWNER, binding
 from nanrunbook import EvidenceRejected, Report, Violation, check_bundle, report_document
 from nanrunbook.capture import BundleWriter
 from nanrunbook.contract import contract_content_id
+from nanrunbook.manifest.parse import RECOVERY_PARTS
 from nanrunbook.output.text import TextRenderer
 from nanrunbook.records import Counts
 from nanrunbook.verdict.runbook import SECTIONS, STAGE_STEPS, Section
@@ -89,7 +90,11 @@ def test_huge_counts_stay_whole_and_within_the_width(tmp_path: Path) -> None:
         step=2,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-1", "step": 1},
+        last_known_good={
+            "checkpoint_id": "ckpt-1",
+            "step": 1,
+            "verified_together": list(RECOVERY_PARTS),
+        },
     )
     elements = 2**31
     writer.summarize(
@@ -177,7 +182,11 @@ def _wide_stage_bundle(tmp_path: Path) -> Path:
         step=7,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-5", "step": 5},
+        last_known_good={
+            "checkpoint_id": "ckpt-5",
+            "step": 5,
+            "verified_together": list(RECOVERY_PARTS),
+        },
     )
     batch = np.array([1.0, 65504.0, -3.0, 0.0], dtype="float16")
     writer.observe("input", [("batch/x", batch, "p")], owner=OWNER, probe_source="loader")
@@ -358,7 +367,11 @@ def test_checklist_headroom_in_bits(tmp_path: Path) -> None:
         step=3,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-1", "step": 1},
+        last_known_good={
+            "checkpoint_id": "ckpt-1",
+            "step": 1,
+            "verified_together": list(RECOVERY_PARTS),
+        },
     )
     writer.observe(
         "input", [("batch/x", np.ones(2, dtype="float32"), "p")], owner=OWNER, probe_source="l"
@@ -408,7 +421,11 @@ def _warned_writer(*, nonfinite_gradient: bool = False) -> BundleWriter:
         step=4,
         incident_owner="ml-oncall",
         binding=bound,
-        last_known_good={"checkpoint_id": "ckpt-3", "step": 3},
+        last_known_good={
+            "checkpoint_id": "ckpt-3",
+            "step": 3,
+            "verified_together": list(RECOVERY_PARTS),
+        },
     )
     batch = np.array([40000.0, 1.0], dtype="float32")
     writer.observe("input", [("batch/x", batch, "p")], owner=OWNER, probe_source="loader")
@@ -461,7 +478,11 @@ def test_warnings_section_is_capped(tmp_path: Path) -> None:
         step=4,
         incident_owner="ml-oncall",
         binding=binding(),
-        last_known_good={"checkpoint_id": "ckpt-3", "step": 3},
+        last_known_good={
+            "checkpoint_id": "ckpt-3",
+            "step": 3,
+            "verified_together": list(RECOVERY_PARTS),
+        },
     )
     saturated = [(f"act/{i}", np.array([65504.0], dtype="float16"), "h") for i in range(8)]
     saturated.append(("act/nan", np.array([np.nan], dtype="float16"), "h"))

@@ -42,7 +42,7 @@ from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.records import element_count
 from nanrunbook.tensors.counting import code_values
 from nanrunbook.tensors.safetensors import U64_MAX, TensorFileHeader, read_header
-from nanrunbook.tensors.scan import ShortRead, default_workers
+from nanrunbook.tensors.scan import ShortRead, default_workers, fill_view
 from nanrunbook.tensors.verify import header_limit
 
 __all__ = [
@@ -244,25 +244,6 @@ class _Cancelled(Exception):
     pass
 
 
-def _read_into(fd: int, view: memoryview, position: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], position)
-    data = os.pread(fd, len(view), position)
-    view[: len(data)] = data
-    return len(data)
-
-
-def _fill(fd: int, view: memoryview, position: int) -> int:
-    """Fill ``view`` from ``position``; fewer bytes only at the end of the file."""
-    filled = 0
-    while filled < len(view):
-        got = _read_into(fd, view[filled:], position + filled)
-        if got == 0:
-            break
-        filled += got
-    return filled
-
-
 def compare_ranges(
     dtype: str,
     length: int,
@@ -296,7 +277,7 @@ def compare_ranges(
         want = min(size, length - done)
         pieces = []
         for (fd, offset), buffer, digest in zip((base, other), buffers, hashes, strict=True):
-            got = _fill(fd, buffer[:want], offset + done)
+            got = fill_view(fd, buffer[:want], offset + done)
             if got < want:
                 raise ShortRead(offset, length, done + got)
             digest.update(buffer[:want])

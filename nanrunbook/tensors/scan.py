@@ -39,6 +39,7 @@ __all__ = [
     "ShortRead",
     "TensorScan",
     "default_workers",
+    "fill_view",
     "scan_all",
     "scan_range",
 ]
@@ -127,7 +128,7 @@ def scan_range(
     try:
         while done < length:
             want = min(chunk, length - done)
-            filled = _fill(fd, view[:want], offset + done)
+            filled = fill_view(fd, view[:want], offset + done)
             if filled < want:
                 raise ShortRead(offset, length, done + filled)
             piece = view[:want]
@@ -145,7 +146,7 @@ def _scanned(digest: Any, counter: Counter) -> TensorScan:
     return TensorScan(digest.hexdigest(), counter.result(), counter.extremes())
 
 
-def _fill(fd: int, view: memoryview, position: int) -> int:
+def fill_view(fd: int, view: memoryview, position: int) -> int:
     """Fill ``view`` from ``position``; fewer bytes only at the end of the file.
 
     A read may return less than asked; only 0 is the end of the file.
@@ -183,7 +184,7 @@ def _overlapped(
                 if view is None:  # the hashing side stopped
                     return
                 want = min(chunk, length - done)
-                filled = _fill(fd, view[:want], offset + done)
+                filled = fill_view(fd, view[:want], offset + done)
                 if filled < want:
                     raise ShortRead(offset, length, done + filled)
                 counter.feed(view[:want])
