@@ -21,6 +21,7 @@ Layouts follow spec section 6 and the OCP / ml_dtypes definitions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -111,11 +112,23 @@ class FloatFormat:
 
     def decode(self, code: int) -> float:
         """The exact magnitude of a finite code (as a float64: every format here fits)."""
-        exponent, mantissa = code >> self.mantissa_bits, code & ((1 << self.mantissa_bits) - 1)
-        if exponent == 0 and self.zero:  # zero or subnormal
-            return math.ldexp(mantissa, 1 - self.bias - self.mantissa_bits)
-        whole = (1 << self.mantissa_bits) + mantissa
-        return math.ldexp(whole, exponent - self.bias - self.mantissa_bits)
+        return self.decoder()(code)
+
+    def decoder(self) -> Callable[[int], float]:
+        """:meth:`decode` with this format's constants bound: for callers that
+        decode many codes (the counter, once per tensor)."""
+        shift, low = self.mantissa_bits, (1 << self.mantissa_bits) - 1
+        implicit, scale = 1 << self.mantissa_bits, -self.bias - self.mantissa_bits
+        subnormal = self.zero  # exponent 0 is zero or subnormal, except in e8m0fnu
+        ldexp = math.ldexp
+
+        def decode(code: int) -> float:
+            exponent = code >> shift
+            if exponent == 0 and subnormal:
+                return ldexp(code & low, 1 + scale)
+            return ldexp(implicit + (code & low), exponent + scale)
+
+        return decode
 
 
 @dataclass(frozen=True, slots=True)

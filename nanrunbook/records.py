@@ -202,7 +202,7 @@ class Extremes:
     def max_abs(self) -> float | None:
         if self.min is None or self.max is None:
             return None
-        return max(-self.min, self.max)
+        return max(abs(self.min), abs(self.max))
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,8 @@ Their codes are moved into bytes with the sign as the top bit, and counted as
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
 _NONE_LOW = 1 << 64  # above every code: "no lowest code yet"
 _SMALL_BLOCK_BYTES = 256 * 1024  # see Counter._count_small
+_FEW = 64  # values a chunk reduces in Python rather than numpy (Counter._reduce_few)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,7 @@ class _Bits:
     sign: int  # the sign bit of that integer, 0 when the format has none
     mask: int  # every bit of the integer but the sign: the code of a value
     fmt: FloatFormat
+    decode: Callable[[int], float]  # fmt.decode, its constants bound
 
 
 def _bits_of(dtype: DType) -> _Bits | None:
@@ -123,10 +126,11 @@ def _bits_of(dtype: DType) -> _Bits | None:
     if fmt is None:
         return None
     if fmt.bits % 8:  # sub-byte: each code is moved into a byte, its sign on top
-        return _Bits("u1", "i1", 0x80, 0x7F, fmt)
+        return _Bits("u1", "i1", 0x80, 0x7F, fmt, fmt.decoder())
     width = fmt.bits // 8
     uint = f"<u{width}" if width > 1 else "u1"
-    return _Bits(uint, uint.replace("u", "i"), fmt.sign, (1 << fmt.bits) - 1 - fmt.sign, fmt)
+    mask = (1 << fmt.bits) - 1 - fmt.sign
+    return _Bits(uint, uint.replace("u", "i"), fmt.sign, mask, fmt, fmt.decoder())
 
 
 # Read once per dtype, not per counter: a bundle may hold thousands of small tensors.
@@ -155,8 +159,7 @@ class _Span:
         self.pos_hi = self.neg_hi = -1
         self.zeros = self.subnormals = self.values = 0
 
-    def extremes(self, fmt: FloatFormat) -> Extremes:
-        decode = fmt.decode
+    def extremes(self, decode: Callable[[int], float]) -> Extremes:
         low = None
         if self.neg_hi >= 0:
             low = -decode(self.neg_hi)
@@ -176,10 +179,6 @@ class _Span:
             zeros=self.zeros,
             subnormals=self.subnormals,
         )
-
-    @property
-    def max_code(self) -> int:
-        return max(self.pos_hi, self.neg_hi)
 
 
 class _Found:
@@ -203,6 +202,7 @@ class Counter:
     __slots__ = (
         "_bits",
         "_elements",
+        "_extremes",
         "_flag_scratch",
         "_nan",
         "_neginf",
@@ -228,6 +228,7 @@ class Counter:
         self._posinf = 0
         self._neginf = 0
         self._span = _Span()
+        self._extremes: Extremes | None = None
         self._small_seen = False  # the last chunk held zeros or subnormals
         self._scratch: _Array | None = None
         self._flag_scratch: _Array | None = None
@@ -256,6 +257,7 @@ class Counter:
             )
         if size == 0:
             return
+        self._extremes = None
         bits = self._bits
         if bits is None:  # integers and BOOL: every element finite, no extremes
             self._elements += size * 8 // self._type.bits
@@ -309,6 +311,8 @@ class Counter:
         bits = self._bits
         assert bits is not None
         sign = bits.sign
+        if values.size <= _FEW:
+            return self._reduce_few(values.tolist())
         umax = int(values.max())
         lows = not self._small_seen or bits.fmt.nan == "negative_zero"
         if not sign:
@@ -326,6 +330,22 @@ class Counter:
             found.pos_lo = umin if positive else _NONE_LOW
             found.neg_lo = smin & bits.mask if negative else _NONE_LOW
         return found
+
+    def _reduce_few(self, codes: list[int]) -> _Found:
+        """The same for a few values, in Python: numpy's per-call cost would dominate
+        (a bundle may hold thousands of tiny tensors). Sorted, the positive codes
+        come first, then the negative ones (sign bit set)."""
+        bits = self._bits
+        assert bits is not None
+        ordered = sorted(codes)
+        split = bisect_left(ordered, bits.sign) if bits.sign else len(ordered)
+        mask = bits.mask
+        return _Found(
+            ordered[split - 1] if split else -1,
+            ordered[-1] & mask if split < len(ordered) else -1,
+            ordered[0] if split else _NONE_LOW,
+            ordered[split] & mask if split < len(ordered) else _NONE_LOW,
+        )
 
     def _holds_nonfinite(self, found: _Found) -> bool:
         assert self._bits is not None
@@ -446,10 +466,8 @@ class Counter:
 
     def result(self) -> Tally:
         nonfinite = self._nan + self._posinf + self._neginf
-        top = self._span.max_code
-        max_abs = None
-        if self._bits is not None and top >= 0:
-            max_abs = self._bits.fmt.decode(top)
+        extremes = self.extremes()
+        max_abs = None if extremes is None else extremes.max_abs
         return Tally(
             elements=self._elements,
             finite=self._elements - nonfinite,
@@ -461,7 +479,11 @@ class Counter:
 
     def extremes(self) -> Extremes | None:
         """The finite extremes so far; None for an integer or BOOL dtype."""
-        return None if self._bits is None else self._span.extremes(self._bits.fmt)
+        if self._bits is None:
+            return None
+        if self._extremes is None:  # decoded once until the next feed
+            self._extremes = self._span.extremes(self._bits.decode)
+        return self._extremes
 
 
 def tally_bytes(dtype: str, data: _Chunk) -> Tally:
