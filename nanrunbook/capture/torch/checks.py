@@ -52,17 +52,17 @@ def _by_dtype(tensors: Iterable[Any]) -> dict[Any, list[Any]]:
     return groups
 
 
-def _fused_norms(tensors: list[Any]) -> list[Any]:
+def _fused_norms(tensors: list[Any]) -> Any:
     try:
-        return list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+        norms = list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
     except (TypeError, RuntimeError):  # torch without the dtype argument
-        return [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+        norms = [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+    return torch.stack([n.to(norms[0].device) for n in norms])
 
 
-def _dot_norms(tensors: list[Any]) -> list[Any]:
+def _dot_norms(tensors: list[Any]) -> Any:
     with torch.no_grad():
-        flat = [t.view(-1) for t in tensors]
-        return [torch.dot(f, f).sqrt() for f in flat]
+        return torch.stack([torch.dot(t.view(-1), t.view(-1)) for t in tensors]).sqrt()
 
 
 class NormChooser:
@@ -83,7 +83,8 @@ class NormChooser:
     def choice(self) -> str:
         return min(self.seconds, key=lambda k: self.seconds[k]) if self.seconds else "fused"
 
-    def norms(self, tensors: list[Any]) -> list[Any]:
+    def norms(self, tensors: list[Any]) -> Any:
+        """A 1-D float32 tensor: each tensor's L2 norm."""
         self.calls += 1
         if self.calls <= 4:
             kernel = "dot" if self.calls % 2 else "fused"
@@ -102,8 +103,8 @@ class NormChooser:
 _CHOOSER = NormChooser()
 
 
-def _norms(tensors: list[Any]) -> list[Any]:
-    """Per-tensor L2 norms in float32 (so float16 squares do not overflow): the
+def _norms(tensors: list[Any]) -> Any:
+    """Per-tensor L2 norms, a 1-D float32 tensor (so float16 squares do not overflow): the
     measured faster kernel for CPU float32 tensors (:class:`NormChooser`), one
     fused ``_foreach_norm`` per device and dtype otherwise."""
     if tensors and all(
@@ -127,13 +128,14 @@ class GradNorms:
         norms, bounds = [], {}
         for dtype, group in _by_dtype(grads).items():
             group_norms = _norms(group)
-            norms += group_norms
+            norms.append(group_norms)
             name = safetensors_dtype(dtype)
             if name is not None:
-                bounds[name] = torch.stack(group_norms).max()
+                bounds[name] = group_norms.max()
         if not norms:
             return None
-        return cls(torch.linalg.vector_norm(torch.stack(norms)), bounds)
+        device = norms[0].device
+        return cls(torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms])), bounds)
 
 
 def nonfinite_flag(tensors: Sequence[Any]) -> Any:
@@ -221,7 +223,7 @@ def exact_counts(tensors: Sequence[Any]) -> list[Counted]:
     floating = [t for t in tensors if t.is_floating_point() and t.numel()]
     if not floating:
         return []
-    norms = torch.stack([n.to(floating[0].device) for n in _norms(floating)]).tolist()
+    norms = _norms(floating).tolist()
     suspect = [t for t, n in zip(floating, norms, strict=True) if not math.isfinite(n)]
     clean = [t for t, n in zip(floating, norms, strict=True) if math.isfinite(n)]
     readout = Readout()
