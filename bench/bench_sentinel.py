@@ -285,22 +285,24 @@ def capture_cost(setup: Setup, step_time: float) -> None:
     embedding rows the batch did not use), found after the step, rolled back from
     the snapshot and replayed in full (activations, gradients, optimizer state,
     update). The time from the decision to the exception, against one step and
-    the bound 3 steps + the bundle's bytes at one SHA-256 stream's rate."""
+    the bound 3 steps + the bundle's bytes at one SHA-256 stream's rate (the
+    decision includes the exact counts, the rollback, the replay, the write and
+    the check)."""
     o = setup.objects()
     o["optimizer"] = torch.optim.AdamW(o["model"].parameters(), lr=1e-4, eps=0.0)
     root = Path(tempfile.mkdtemp(prefix="bench-sentinel-hold-"))
     sentinel = setup.sentinel(o, root, 0, timed=False, snapshot=True)
-    original = sentinel._hold
+    original = sentinel._decide
     seconds = [0.0]
 
-    def hold(*args: Any, **kwargs: Any) -> Any:
+    def decide(**kwargs: Any) -> Any:  # the failing step's whole decision, capture included
         start = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            return original(**kwargs)
         finally:
             seconds[0] = time.perf_counter() - start
 
-    sentinel._hold = hold  # type: ignore[method-assign]
+    sentinel._decide = decide  # type: ignore[method-assign]
     try:
         for i in range(2):
             setup.step(o, i, sentinel.forward, sentinel.clip_grad_norm_)
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per setting")

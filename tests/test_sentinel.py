@@ -793,3 +793,25 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
     for name, param in model.named_parameters():
         assert data[f"grad/{name}"] == grads[name][2], name  # unscaled, before clipping
         assert data[f"update/{name}"] == bits(param.detach() - before[name])[2], name
+
+
+def test_the_norm_kernel_is_chosen_by_measurement_and_rechecked() -> None:
+    """Both kernels give the same norms; both are timed first, then the faster
+    is used, and the other is timed again every ``recheck`` calls."""
+    from nanrunbook.capture.torch.checks import NormChooser
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(50, 40, generator=g), torch.randn(7, generator=g)]
+    chooser = NormChooser(recheck=7)
+    first = [chooser.norms(tensors) for _ in range(4)]
+    assert set(chooser.seconds) == {"fused", "dot"}
+    for norms in first[1:]:
+        assert torch.allclose(norms, first[0])
+    chooser.seconds = {"fused": 1.0, "dot": 0.001}  # as if the dots were faster here
+    chooser.norms(tensors)
+    assert chooser.choice == "dot" and chooser.seconds["fused"] == 1.0  # fused not run
+    chooser.calls = 13  # the next call is a recheck: the other kernel is timed
+    chooser.norms(tensors)
+    assert chooser.seconds["fused"] < 1.0
+    bad = [torch.tensor([1.0, float("-inf")]), torch.ones(3)]
+    assert not bool(torch.isfinite(NormChooser().norms(bad)).all())

@@ -10,6 +10,7 @@ counts cost a pass per class, so they are counted only once a cheap flag trips.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from nanrunbook.capture.torch.convert import safetensors_dtype
 __all__ = [
     "Counted",
     "GradNorms",
+    "NormChooser",
     "Readout",
     "count_rows",
     "counted",
@@ -50,16 +52,66 @@ def _by_dtype(tensors: Iterable[Any]) -> dict[Any, list[Any]]:
     return groups
 
 
-def _norms(tensors: list[Any]) -> list[Any]:
-    """Per-tensor L2 norms in float32 (so float16 squares do not overflow): one
-    fused ``_foreach_norm`` per device and dtype. Measured on the 2-core CPU:
-    per-tensor ``dot`` or ``sum`` calls are 2x faster on an idle machine but
-    15x slower with another process on a core (a parallel region per tensor,
-    each waiting for the descheduled thread); the fused kernel keeps its time."""
+def _fused_norms(tensors: list[Any]) -> Any:
     try:
-        return list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+        norms = list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
     except (TypeError, RuntimeError):  # torch without the dtype argument
-        return [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+        norms = [n.float() for n in torch._foreach_norm(tensors, 2.0)]
+    return torch.stack([n.to(norms[0].device) for n in norms])
+
+
+def _dot_norms(tensors: list[Any]) -> Any:
+    with torch.no_grad():
+        return torch.stack([torch.dot(t.view(-1), t.view(-1)) for t in tensors]).sqrt()
+
+
+class NormChooser:
+    """Per-tensor L2 norms of CPU float32 tensors by whichever of two kernels is
+    faster on this machine now, by measurement: one fused ``_foreach_norm``, or
+    a BLAS dot per tensor. On the 2-core CPU the dots were 2x faster idle and
+    15x slower with another process on a core (a parallel region per tensor,
+    each waiting for the descheduled thread), so neither wins for good: both
+    are timed on the first calls, and every ``recheck`` calls the other one is
+    timed again (a moving average of each decides)."""
+
+    def __init__(self, recheck: int = 200) -> None:
+        self.recheck = recheck
+        self.calls = 0
+        self.seconds: dict[str, float] = {}
+
+    @property
+    def choice(self) -> str:
+        return min(self.seconds, key=lambda k: self.seconds[k]) if self.seconds else "fused"
+
+    def norms(self, tensors: list[Any]) -> Any:
+        """A 1-D float32 tensor: each tensor's L2 norm."""
+        self.calls += 1
+        if self.calls <= 4:
+            kernel = "dot" if self.calls % 2 else "fused"
+        elif self.calls % self.recheck == 0:
+            kernel = "fused" if self.choice == "dot" else "dot"
+        else:
+            kernel = self.choice
+        start = time.perf_counter()
+        out = _dot_norms(tensors) if kernel == "dot" else _fused_norms(tensors)
+        elapsed = time.perf_counter() - start
+        previous = self.seconds.get(kernel)
+        self.seconds[kernel] = elapsed if previous is None else 0.5 * (previous + elapsed)
+        return out
+
+
+_CHOOSER = NormChooser()
+
+
+def _norms(tensors: list[Any]) -> Any:
+    """Per-tensor L2 norms, a 1-D float32 tensor (so float16 squares do not overflow): the
+    measured faster kernel for CPU float32 tensors (:class:`NormChooser`), one
+    fused ``_foreach_norm`` per device and dtype otherwise."""
+    if tensors and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    ):
+        return _CHOOSER.norms(tensors)
+    return _fused_norms(tensors)
 
 
 @dataclass
@@ -76,13 +128,14 @@ class GradNorms:
         norms, bounds = [], {}
         for dtype, group in _by_dtype(grads).items():
             group_norms = _norms(group)
-            norms += group_norms
+            norms.append(group_norms)
             name = safetensors_dtype(dtype)
             if name is not None:
-                bounds[name] = torch.stack(group_norms).max()
+                bounds[name] = group_norms.max()
         if not norms:
             return None
-        return cls(torch.linalg.vector_norm(torch.stack(norms)), bounds)
+        device = norms[0].device
+        return cls(torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms])), bounds)
 
 
 def nonfinite_flag(tensors: Sequence[Any]) -> Any:
@@ -170,7 +223,7 @@ def exact_counts(tensors: Sequence[Any]) -> list[Counted]:
     floating = [t for t in tensors if t.is_floating_point() and t.numel()]
     if not floating:
         return []
-    norms = torch.stack([n.to(floating[0].device) for n in _norms(floating)]).tolist()
+    norms = _norms(floating).tolist()
     suspect = [t for t, n in zip(floating, norms, strict=True) if not math.isfinite(n)]
     clean = [t for t, n in zip(floating, norms, strict=True) if math.isfinite(n)]
     readout = Readout()

@@ -11,7 +11,7 @@ from nanrunbook.capture.writer import register_converter
 from nanrunbook.dtypes import TORCH_DTYPES
 from nanrunbook.tensors.safetensors_write import RawTensor
 
-__all__ = ["TORCH_DTYPES", "dtype_name", "safetensors_dtype", "tensor_to_raw"]
+__all__ = ["TORCH_DTYPES", "dtype_name", "safetensors_dtype", "tensor_bytes", "tensor_to_raw"]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -57,6 +57,34 @@ def tensor_to_raw(tensor: Any) -> RawTensor:
         unit = 4 if dtype == "C64" else t.element_size()
         data = np.frombuffer(data, dtype=f">u{unit}").astype(f"<u{unit}").tobytes()
     return RawTensor(dtype, shape, data)
+
+
+def tensor_bytes(tensor: Any) -> tuple[str, tuple[int, ...], Any]:
+    """dtype name, shape and a buffer of the stored bytes, without a copy when the
+    tensor already holds them (on the CPU, contiguous, little-endian host): for
+    reading now, as a digest does; what must outlive later writes to the tensor
+    takes :func:`tensor_to_raw`'s copy."""
+    t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    plain = (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and (sys.byteorder == "little" or t.element_size() == 1)
+        and safetensors_dtype(t.dtype) not in (None, "F4")
+    )
+    if not plain:
+        raw = tensor_to_raw(tensor)
+        return raw.dtype, raw.shape, raw.data
+    dtype = safetensors_dtype(t.dtype)
+    assert dtype is not None
+    return (
+        dtype,
+        tuple(int(d) for d in t.shape),
+        t.reshape(-1).view(torch.uint8).numpy().data,
+    )
 
 
 register_converter(torch.Tensor, tensor_to_raw)

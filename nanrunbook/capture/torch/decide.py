@@ -90,8 +90,9 @@ class Decisions:
         if vote is not None:
             readout.add("vote", vote)
         values = readout.read()
-        self._read_step(step, values, grads)
         update_ok = previous.read_update(values) if previous is not None else True
+        # A step run on a non-finite update is discarded: no exact count for it.
+        self._read_step(step, values, grads, count=update_ok)
         outcome = self._outcome(step, update_ok)
         if vote is not None and values["vote"][0] > 0:
             outcome = self.ranks.agree(outcome, step.losses[0].device)
@@ -138,7 +139,7 @@ class Decisions:
         return torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
 
     def _read_step(
-        self, step: StepRecord, values: dict[str, list[float]], grads: list[Any]
+        self, step: StepRecord, values: dict[str, list[float]], grads: list[Any], count: bool
     ) -> None:
         step.loss_values = values["loss"]
         step.scale = values["scale"][0] if "scale" in values else self.loss_scale
@@ -159,7 +160,9 @@ class Decisions:
         findings.bounds = {
             k.split("/", 1)[1]: v[0] for k, v in values.items() if k.startswith("bound/")
         }
-        if findings.tripped or findings.found_inf or _near_max(findings):
+        if not count:
+            pass
+        elif findings.tripped or findings.found_inf or _near_max(findings):
             findings.counts = exact_counts(grads)  # the slow path: a read of its own
         elif step.sampled_names:  # finite: the sampled maxima are the finite max abs
             findings.counts = [
