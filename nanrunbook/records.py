@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, make_dataclass
 from itertools import chain
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 __all__ = [
     "STAGE_ORDER",
@@ -26,6 +26,7 @@ __all__ = [
     "TensorHeadroom",
     "element_count",
     "element_counts",
+    "frozen_records",
 ]
 
 STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
@@ -305,3 +306,38 @@ class EarlyWarning:
     tensor: str
     index: int
     message: str
+
+
+# ------------------------------------------------------------- many at once
+
+_Record = TypeVar("_Record")
+_BUILDERS: dict[type[Any], type[Any]] = {}
+
+
+def frozen_records(cls: type[_Record], *columns: Iterable[Any]) -> list[_Record]:
+    """``list(map(cls, *columns))`` for a frozen slots dataclass, about four times
+    faster: one record per row, ``columns`` holding every field in field order.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
+    (about 1.5 us a record, most of the cost of reading a header of thousands of
+    tensors). A plain class with the same slots sets them at C speed, and its
+    instance can then take ``cls`` as its class, the two layouts being one: the
+    records are ``cls``'s in every respect (tests/test_parse_fast.py).
+    """
+    builder = _BUILDERS.get(cls) or _builder(cls)
+    records = list(map(builder, *columns))
+    for record in records:
+        record.__class__ = cls
+    return records
+
+
+def _builder(cls: type[Any]) -> type[Any]:
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or "__slots__" not in cls.__dict__:
+        raise TypeError(f"{cls.__name__} is not a frozen slots dataclass")
+    names = [f.name for f in fields(cls)]
+    builder = make_dataclass(f"_{cls.__name__}Builder", names, slots=True, eq=False)
+    # The same slots in the same order, or the class could not be changed.
+    assert builder.__dict__["__slots__"] == cls.__dict__["__slots__"]
+    _BUILDERS[cls] = builder
+    return builder

@@ -9,11 +9,13 @@ and the code each one reports: the manifest's are :data:`MANIFEST`, a header's
 live with the header code.
 
 Everything runs at C speed unless something is wrong. ``json``'s C scanner
-parses; its hooks run once per object and per number literal, never per
-character, and leave markers where a literal breaks a rule. The string rules
-and the nesting depth are screened over the whole text with ``bytes`` searches,
-``translate`` and compiled patterns. Only when a hook or a screen finds
-something is the tree walked, to name the path of every violation.
+parses with one hook, per float literal; ``orjson`` writes the tree back
+(refusing lone surrogates and integers out of range), and counting colons in
+both texts shows whether a key repeats. The string rules and the nesting depth
+are screened over that compact text with ``bytes`` searches, ``translate`` and
+compiled patterns. Only when a screen finds something is the text read again
+with hooks on every number and object, which leave markers where a literal
+breaks a rule, and the tree walked, to name the path of every violation.
 """
 
 from __future__ import annotations
@@ -168,6 +170,93 @@ def parse_json(raw: bytes, dialect: Dialect) -> Parsed:
     Raises UnicodeDecodeError, json.JSONDecodeError (malformed text) and
     RecursionError (nesting too deep for the parser); the caller words them.
     """
+    return _parse_screened(raw, dialect) or _parse_hooked(raw, dialect)
+
+
+def _parse_screened(raw: bytes, dialect: Dialect) -> Parsed | None:
+    """The document read by ``json``'s C scanner with no hook but one per float,
+    when screens over the text and the tree show it breaks none of the rules; else
+    None, and :func:`_parse_hooked` reads it again to name every violation.
+
+    Without the integer and object hooks an integer literal ``-0`` reads as 0,
+    one past the range as a plain int, and a repeated key keeps its last value:
+    the screens decline all three. They may decline a clean text (then the
+    hooked read finds nothing); they never pass one the hooked read would fault.
+    """
+    limit = dialect.max_integer
+    if limit < MAX_SAFE_INTEGER:
+        return None  # orjson's integer screen below cannot see a tighter bound
+    text = raw.decode("utf-8")
+    floats: list[float] = []
+    nonfinite: list[str] = []
+
+    def parse_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            nonfinite.append(literal)
+        floats.append(value)
+        return value
+
+    decoder = json.JSONDecoder(parse_float=parse_float, parse_constant=nonfinite.append)
+    try:
+        value = decoder.decode(text)
+    except json.JSONDecodeError:
+        raise  # the hooked read stops at the same place: its hooks never raise
+    except (RecursionError, ValueError):  # ValueError: an integer of over 4300 digits
+        return None
+    if nonfinite or (b"-0" in raw and _may_hold_negative_zero_integer(raw)):
+        return None
+    # orjson refuses lone surrogates and integers outside the range (at most
+    # 2^53 - 1 with OPT_STRICT_INTEGER; else -2^63 .. 2^64 - 1, within U64_MAX).
+    option = orjson.OPT_STRICT_INTEGER if limit < _U64_MAX else 0
+    try:
+        compact = orjson.dumps(value, option=option)
+    except orjson.JSONEncodeError:
+        return None
+    if _colons(raw) != compact.count(b":"):
+        return None  # a repeated key
+    # The tree's own text is shorter, and spells each control character the one
+    # way the string screens look for (an escape below U+0020, DEL and C1 raw).
+    if _may_break_rules(compact, dialect):
+        return None
+    return Parsed(value, (), tuple(floats))
+
+
+_U64_MAX = 2**64 - 1  # the widest integer orjson writes
+_NEGATIVE_ZERO = re.compile(rb"-0(?![.eE0-9])")
+_BEFORE_A_VALUE = frozenset(b":,[ \t\n\r")
+
+
+def _may_hold_negative_zero_integer(raw: bytes) -> bool:
+    """Whether an integer literal ``-0`` may stand in the text: a ``-0`` with no
+    fraction, exponent or digit after it, at the start or after a byte that may
+    come before a value (a string holding ``"a -0"`` also answers yes)."""
+    return any(
+        match.start() == 0 or raw[match.start() - 1] in _BEFORE_A_VALUE
+        for match in _NEGATIVE_ZERO.finditer(raw)
+    )
+
+
+def _colons(raw: bytes) -> int:
+    """The colons of the text as parsed: one per key, and those its strings hold,
+    spelled raw or as an escape.
+
+    ``orjson`` writes every colon raw, so the compact form of the tree has as many
+    only when no key was dropped, that is when no object repeats a key: a repeat
+    loses its key and the strings of its value, never gains any.
+    """
+    colons = raw.count(b":")
+    if b"\\" in raw:
+        # Escaped backslashes first, left to right as a parser reads them, so that
+        # every backslash left starts an escape.
+        unescaped = raw.replace(b"\\\\", b"")
+        colons += unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
+    return colons
+
+
+def _parse_hooked(raw: bytes, dialect: Dialect) -> Parsed:
+    """:func:`parse_json` with a hook on every number and object, so a literal that
+    breaks a rule leaves a marker; the tree is walked to name each violation."""
     text = raw.decode("utf-8")
     floats: list[float] = []
     flagged: list[bool] = []  # a hook left a marker or met a repeated key
@@ -231,9 +320,6 @@ _C1_UTF8 = re.compile(rb"\xc2[\x80-\x9f]")  # U+0080..U+009F encoded
 _ANY_ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
 _SQUARE = bytes.maketrans(b"{}", b"[]")
-# From an aligned position: brackets and empty strings, then one string holding
-# brackets. Possessive, so a failed match costs one pass, not a backtrack.
-_BRACKETS_IN_STRING = re.compile(rb'((?:[^"]*+"")*+[^"]*+)"[^"]++"')
 
 
 def _may_break_rules(raw: bytes, dialect: Dialect) -> bool:
@@ -253,16 +339,17 @@ def _may_break_rules(raw: bytes, dialect: Dialect) -> bool:
 def _nesting_depth(raw: bytes, limit: int) -> int:
     """The depth of the brackets outside strings in well-formed JSON text, or
     ``limit + 1`` once it is known to pass ``limit``."""
-    text = _ANY_ESCAPE.sub(b"", raw) if b"\\" in raw else raw
-    structure = text.translate(None, _NOT_STRUCTURE)  # brackets and quotes left
-    kept: list[bytes] = []
-    pos = 0
-    while match := _BRACKETS_IN_STRING.match(structure, pos):
-        kept.append(match[1])
-        pos = match.end()
-    kept.append(structure[pos:])
+    if b"\\" in raw:  # escaped backslashes first, so that each \" left is an escaped quote
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = raw.translate(None, _NOT_STRUCTURE)  # brackets and quotes left
+    # Quotes alternate, opening and closing a string. Dropping two adjacent ones
+    # drops an empty string, or the nothing between two strings (which joins
+    # them): either way the quotes left still enclose only what strings hold.
+    structure = structure.replace(b'""', b"")
+    if b'"' in structure:  # some string holds a bracket
+        structure = b"".join(structure.split(b'"')[0::2])
     # The parser matched every bracket with its own kind, so one kind will do.
-    brackets = b"".join(kept).translate(_SQUARE, b'"')
+    brackets = structure.translate(_SQUARE)
     for depth in range(limit + 1):
         if not brackets:
             return depth

@@ -40,6 +40,7 @@ from nanrunbook.records import (
     TensorEntry,
     element_count,
     element_counts,
+    frozen_records,
 )
 from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path, power_of_two_text
 
@@ -519,7 +520,9 @@ def _plain_tensors(entries: list[Any], resolution: str | None) -> tuple[TensorEn
         files, digests = columns[4], columns[5]
         if not (_hex_digests(digests) and _safe_files(files)):
             return None
-    return tuple(map(TensorEntry, names, dtypes, map(tuple, shapes), probes, files, digests))
+    return tuple(
+        frozen_records(TensorEntry, names, dtypes, map(tuple, shapes), probes, files, digests)
+    )
 
 
 def _texts(values: tuple[Any, ...], shortest: int, longest: int) -> bool:

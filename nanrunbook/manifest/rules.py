@@ -8,7 +8,7 @@ parser and the decision, which revalidates the records it is handed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from operator import attrgetter
 from typing import Protocol
@@ -185,13 +185,18 @@ def _names(stage: StageRecord) -> Iterable[str]:
 
 
 _NAME = attrgetter("name")
-_ELEMENTS = attrgetter("elements")
+_SHAPE = attrgetter("shape")
+
+
+def _elements(tensors: Iterable[TensorEntry]) -> Iterator[int]:
+    """Each entry's element count (TensorEntry.elements, without a call per entry)."""
+    return map(math.prod, map(_SHAPE, tensors))
 
 
 def elements_by_dtype(tensors: Sequence[TensorEntry]) -> dict[str, int]:
     """How many elements the entries hold, per dtype: one pass serves every sum."""
     dtypes = list(map(_DTYPE, tensors))
-    counts = list(map(_ELEMENTS, tensors))
+    counts = list(_elements(tensors))
     if len(set(dtypes)) == 1:  # the common stage: one dtype
         return {dtypes[0]: sum(counts)}
     totals: dict[str, int] = {}
@@ -325,7 +330,7 @@ def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> lis
                 )
             )
         elements = max(
-            sum(map(_ELEMENTS, stage.tensors)),
+            sum(_elements(stage.tensors)),
             stage.counts.elements if stage.counts is not None else 0,
         )
         if elements > caps.max_stage_elements:

@@ -26,7 +26,7 @@ from nanrunbook.access import file_where, os_error
 from nanrunbook.contract import TENSOR_HEADER_MAX_BYTES
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
-from nanrunbook.records import element_count, element_counts
+from nanrunbook.records import element_count, element_counts, frozen_records
 from nanrunbook.strictjson import Dialect, pairs_of, parse_json
 
 __all__ = [
@@ -239,7 +239,8 @@ def _check_entries(
     if plain is not None:
         if _METADATA in root:
             _check_metadata(root[_METADATA], add)
-        _check_tiling(plain[1], data_size, data_start, True, add)
+        if not _tiles_exactly(plain[1], data_size):
+            _check_tiling(plain[1], data_size, data_start, True, add)
         return plain[0]
     entries: dict[str, HeaderEntry] = {}
     ranges: list[_Range] = []
@@ -294,7 +295,10 @@ def _plain_entries(
         dtypes, shapes, offsets = zip(*map(_FIELDS, values), strict=True)
     except KeyError:
         return None
-    if set(map(type, dtypes)) != {str} or not DTYPES.keys() >= set(dtypes):
+    if set(map(type, dtypes)) != {str}:
+        return None
+    kinds = set(dtypes)
+    if not DTYPES.keys() >= kinds:
         return None
     if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
@@ -304,14 +308,11 @@ def _plain_entries(
     if not all(map(operator.le, begins, ends)):
         return None
     elements = element_counts(shapes, U64_MAX, dim_limit=U64_MAX)
-    if elements is None:
+    if elements is None or list(map(operator.sub, ends, begins)) != _byte_lengths(
+        elements, dtypes, kinds
+    ):
         return None
-    bits = list(map(operator.mul, elements, [DTYPES[dtype].bits for dtype in dtypes]))
-    if set(map(operator.mod, bits, repeat(8))) != {0}:  # a sub-byte tensor ends mid-byte
-        return None
-    if list(map(operator.sub, ends, begins)) != [b // 8 for b in bits]:
-        return None
-    records = map(
+    records = frozen_records(
         HeaderEntry,
         names,
         dtypes,
@@ -320,6 +321,26 @@ def _plain_entries(
         map(operator.add, ends, repeat(data_start)),
     )
     return dict(zip(names, records, strict=True)), list(zip(begins, ends, count(), names))
+
+
+def _byte_lengths(elements: list[int], dtypes: tuple[str, ...], kinds: set[str]) -> list[int]:
+    """Each tensor's byte length, or ``[-1]`` when a sub-byte tensor ends mid-byte."""
+    if len(kinds) == 1 and DTYPES[next(iter(kinds))].bits % 8 == 0:  # the common file
+        return list(map(operator.mul, elements, repeat(DTYPES[dtypes[0]].bits // 8)))
+    bits = list(map(operator.mul, elements, map(_BITS.__getitem__, dtypes)))
+    if set(map(operator.mod, bits, repeat(8))) != {0}:
+        return [-1]
+    return list(map(operator.floordiv, bits, repeat(8)))
+
+
+_BITS = {name: dtype.bits for name, dtype in DTYPES.items()}
+
+
+def _tiles_exactly(ranges: list[_Range], data_size: int) -> bool:
+    """Whether the ranges, in order, each begin where the one before ended, from 0
+    to the end of the data area: then :func:`_check_tiling` has nothing to say."""
+    begins, ends, _, _ = zip(*sorted(ranges), strict=True)
+    return begins[0] == 0 and ends[-1] == data_size and begins[1:] == ends[:-1]
 
 
 def _detailed_entry(name: str, value: Any, data_start: int, add: _Add) -> _Entry:

@@ -1,0 +1,243 @@
+"""The screened read (json's C scanner with one hook per float, then screens)
+gives exactly what the hooked read gives, or declines.
+
+``strictjson._parse_screened`` reads without the integer and object hooks, so
+``-0``, integers past the range and repeated keys read differently there; its
+screens must decline every such text, and every text that breaks a lexical
+rule. Generated texts aim at each screen's edge (a colon spelled as an escape,
+escaped backslashes, ``-0`` inside strings, integers at 2^53 and 2^64, nesting
+at 32), for the manifest's dialect and the header's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import FrozenInstanceError, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanrunbook import strictjson
+from nanrunbook.records import TensorEntry, frozen_records
+from nanrunbook.strictjson import MANIFEST, Dialect, Parsed, parse_json
+from nanrunbook.tensors.safetensors import HEADER_JSON, HeaderEntry, read_header
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+DIALECTS = [MANIFEST, HEADER_JSON]
+
+
+def exact(value: Any) -> Any:
+    """A value in a form where ``-0.0`` differs from ``0``, 1.0 from 1, and an
+    object's class and every pair (repeats included) count."""
+    if isinstance(value, dict):
+        pairs = [(k, exact(v)) for k, v in strictjson.pairs_of(value)]
+        return ("object", type(value).__name__, pairs)
+    if isinstance(value, list):
+        return ("array", [exact(v) for v in value])
+    if isinstance(value, float):
+        return ("float", repr(value), math.copysign(1.0, value))
+    return (type(value).__name__, repr(value))
+
+
+def outcome(read: Any, raw: bytes, dialect: Dialect) -> Any:
+    try:
+        parsed = read(raw, dialect)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        return ("raised", type(err).__name__, str(err))
+    if parsed is None:
+        return None
+    assert isinstance(parsed, Parsed)
+    return (exact(parsed.value), parsed.violations, [exact(f) for f in parsed.floats])
+
+
+NUMBERS = st.sampled_from(
+    ["0", "-0", "-0.0", "-0e0", "-0E+1", "0.0", "1.5", "2.0", "1e2", "1E400", "-1e400", "NaN",
+     "-Infinity", "123456789012345", "1234567890123456", "9007199254740991",
+     "9007199254740992", "-9007199254740991", "-9007199254740992", "9223372036854775807",
+     "-9223372036854775808", "-9223372036854775809", "18446744073709551615",
+     "18446744073709551616", "-18446744073709551615", "123456789012345678901234", "1" * 4400]
+)  # fmt: skip
+STRING_PARTS = st.sampled_from(
+    ["a", ":", "-0", " -0", ":-0", ",-0]", "[", "]", "{", "}", "\\\\", '\\"', "\\u003a",
+     "\\u003A", "\\\\u003a", "\\\\\\u003a", "\\n", "\\u001f", "\\u007f", "\\u0085", "\x7f",
+     "\u0085", "\\ud800", "\\udc00", "\\ud83d\\ude00", "\U0001f600", "é", "\\/", "2.0"]
+)  # fmt: skip
+STRINGS = st.lists(STRING_PARTS, max_size=4).map(lambda parts: '"' + "".join(parts) + '"')
+KEYS = st.one_of(st.sampled_from(['"a"', '"b"', '"a:"', '"\\u0061"', '"a\\u003a"']), STRINGS)
+SPACE = st.sampled_from(["", " ", "\n  "])
+
+
+@st.composite
+def texts(draw: st.DrawFn, depth: int = 0) -> str:
+    kind = draw(st.integers(0, 9 if depth < 34 else 3))
+    if kind <= 1:
+        return draw(STRINGS)
+    if kind <= 3:
+        return draw(st.one_of(NUMBERS, st.sampled_from(["true", "false", "null"])))
+    if kind == 4:  # a deep chain, about MAX_DEPTH levels
+        levels = draw(st.integers(28, 36))
+        return "[" * levels + draw(texts(depth + levels)) + "]" * levels
+    space = draw(SPACE)
+    if kind <= 6:
+        items = draw(st.lists(texts(depth + 1), max_size=3))
+        return "[" + space + ("," + space).join(items) + "]"
+    keys = draw(st.lists(KEYS, max_size=3))
+    members = [f"{k}{draw(SPACE)}:{space}{draw(texts(depth + 1))}" for k in keys]
+    return "{" + ",".join(members) + "}"
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts(), st.sampled_from(DIALECTS), st.sampled_from([None, None, 0.5, 0.9]))
+def test_the_screened_read_gives_what_the_hooked_read_gives_or_declines(
+    text: str, dialect: Dialect, cut: float | None
+) -> None:
+    raw = text.encode()
+    if cut is not None:  # malformed: cut short, as a file still being written
+        raw = raw[: int(len(raw) * cut)]
+    hooked = outcome(strictjson._parse_hooked, raw, dialect)
+    screened = outcome(strictjson._parse_screened, raw, dialect)
+    if screened is not None:
+        if screened[0] == "raised":
+            assert screened == hooked  # malformed text: the same error, word for word
+        else:
+            assert screened == hooked
+            assert hooked[1] == ()  # it declines every text with a violation
+    assert outcome(parse_json, raw, dialect) == hooked
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1, "a": 2}',
+        '{"a": 1, "a": ":"}',  # the repeat's colon is not made up by a string's
+        '{"a": 1, "a": "\\u003a"}',  # nor by an escaped one
+        '{"a": "\\u003a", "a": "\\u003a"}',
+        '{"x": {"k": [1, 2]}, "x": {}}',
+        "[-0]",
+        "-0",
+        '{"a": -0}',
+        "[1, -0 ]",
+        "[9007199254740992]",
+        "[-9007199254740992]",
+        '["\\ud800"]',
+        '["\\u007f"]',
+        '["\\u0085"]',
+        '["\\n"]',
+        "[1e400]",
+        "[NaN]",
+        "[" * 33 + "]" * 33,
+    ],
+)
+def test_the_screened_read_declines_what_only_hooks_see(text: str) -> None:
+    """Each reads differently without the hooks (-0, a repeat) or breaks a rule."""
+    assert strictjson._parse_screened(text.encode(), MANIFEST) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": "\\\\u003a", "b": 1}',  # an escaped backslash, then text: no colon escape
+        '{"a": "rank-0", "b": "-0", "c": "x-0]"}',  # -0 inside strings only
+        '{"a": "[[[[", "b": "]]]]"}',  # brackets inside strings do not nest
+        '{"a": "\\ud83d\\ude00", "b": "\U0001f600"}',  # a surrogate pair is one character
+        '{"a": [-0.0, 2.0, 1e2], "b": 9007199254740991}',
+        "[" * 32 + "]" * 32,
+    ],
+)
+def test_the_screened_read_takes_clean_text_with_lookalikes(text: str) -> None:
+    raw = text.encode()
+    assert strictjson._parse_screened(raw, MANIFEST) is not None
+    assert outcome(strictjson._parse_screened, raw, MANIFEST) == outcome(
+        strictjson._parse_hooked, raw, MANIFEST
+    )
+
+
+def test_header_dialect_keeps_integers_to_2_64() -> None:
+    raw = b'{"a": [18446744073709551615, 9007199254740993, -9223372036854775808]}'
+    screened = strictjson._parse_screened(raw, HEADER_JSON)
+    assert screened is not None and screened.value == json.loads(raw)
+    assert strictjson._parse_screened(b"[18446744073709551616]", HEADER_JSON) is None
+    assert strictjson._parse_screened(b"[9007199254740992]", MANIFEST) is None
+
+
+def _fixture_documents() -> list[tuple[str, bytes, Dialect]]:
+    documents: list[tuple[str, bytes, Dialect]] = []
+    for bundle in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
+        if bundle.name.startswith("rejected"):
+            continue
+        documents.append((bundle.name, (bundle / "manifest.json").read_bytes(), MANIFEST))
+        for path in sorted(bundle.glob("*.safetensors")):
+            content = path.read_bytes()
+            (length,) = struct.unpack("<Q", content[:8])
+            header = content[8 : 8 + length].rstrip(b" ")
+            documents.append((f"{bundle.name}/{path.name}", header, HEADER_JSON))
+    return documents
+
+
+@pytest.mark.parametrize(("name", "raw", "dialect"), _fixture_documents())
+def test_what_producers_write_takes_the_screened_read(
+    name: str, raw: bytes, dialect: Dialect
+) -> None:
+    """Accepted fixtures (manifests and headers) never pay for the hooked read."""
+    assert strictjson._parse_screened(raw, dialect) is not None, name
+
+
+# ------------------------------------------------------------ frozen_records
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    left: int
+    right: str
+
+
+def test_frozen_records_are_the_records_map_builds() -> None:
+    columns = (
+        ["w", "v"],
+        ["F32", "BF16"],
+        [(2, 3), ()],
+        ["p", ""],
+        ["t.st", None],
+        ["0" * 64, None],
+    )
+    built = frozen_records(TensorEntry, *columns)
+    assert built == list(map(TensorEntry, *columns))
+    assert [type(r) for r in built] == [TensorEntry, TensorEntry]
+    assert list(map(hash, built)) == [hash(r) for r in map(TensorEntry, *columns)]
+    assert repr(built[0]) == repr(TensorEntry(*(c[0] for c in columns)))
+    with pytest.raises(FrozenInstanceError):
+        built[0].name = "x"  # type: ignore[misc]
+    assert frozen_records(Pair, [1], ["a"]) == [Pair(1, "a")]
+    assert frozen_records(HeaderEntry, [], [], [], [], []) == []
+
+
+def test_frozen_records_refuses_other_classes() -> None:
+    @dataclass(slots=True)
+    class Mutable:
+        x: int
+
+    @dataclass(frozen=True)
+    class NoSlots:
+        x: int
+
+    for cls in (Mutable, NoSlots, int):
+        with pytest.raises(TypeError):
+            frozen_records(cls, [1])
+
+
+def test_a_header_read_through_frozen_records_is_one_of_header_entries(tmp_path: Path) -> None:
+    header = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        entries = read_header(fd, "t.safetensors").entries
+    finally:
+        os.close(fd)
+    assert entries == {"w": HeaderEntry("w", "F32", (2,), 8 + len(header), 16 + len(header))}
