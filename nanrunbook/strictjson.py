@@ -46,6 +46,7 @@ __all__ = [
     "load_manifest",
     "load_manifest_bytes",
     "pairs_of",
+    "parse_floatless",
     "parse_json",
 ]
 
@@ -183,9 +184,8 @@ def _parse_screened(raw: bytes, dialect: Dialect) -> Parsed | None:
     the screens decline all three. They may decline a clean text (then the
     hooked read finds nothing); they never pass one the hooked read would fault.
     """
-    limit = dialect.max_integer
-    if limit < MAX_SAFE_INTEGER:
-        return None  # orjson's integer screen below cannot see a tighter bound
+    if dialect.max_integer < MAX_SAFE_INTEGER:
+        return None  # orjson's integer screen cannot see a tighter bound
     text = raw.decode("utf-8")
     floats: list[float] = []
     nonfinite: list[str] = []
@@ -204,22 +204,46 @@ def _parse_screened(raw: bytes, dialect: Dialect) -> Parsed | None:
         raise  # the hooked read stops at the same place: its hooks never raise
     except (RecursionError, ValueError):  # ValueError: an integer of over 4300 digits
         return None
-    if nonfinite or (b"-0" in raw and _may_hold_negative_zero_integer(raw)):
+    if nonfinite or not _reads_as_hooked(raw, value, dialect):
         return None
+    return Parsed(value, (), tuple(floats))
+
+
+def parse_floatless(raw: bytes, dialect: Dialect) -> Any | None:
+    """``orjson``'s tree of the text, for a caller that then confirms it holds no
+    float: that tree is :func:`parse_json`'s, with no violation. None when the
+    screens cannot be sure (then :func:`parse_json` reads it).
+
+    orjson reads faster than ``json`` where a text holds many small objects (a
+    safetensors header), but it reads an integer past 2^64 as a float, which only
+    the caller's check of the tree can see.
+    """
+    if dialect.max_integer < MAX_SAFE_INTEGER:
+        return None
+    try:
+        value = orjson.loads(raw)  # refuses NaN, Infinity, overflow, lone surrogates
+    except orjson.JSONDecodeError:
+        return None
+    return value if _reads_as_hooked(raw, value, dialect) else None
+
+
+def _reads_as_hooked(raw: bytes, value: Any, dialect: Dialect) -> bool:
+    """Whether ``value``, read from ``raw`` without integer and object hooks, is
+    what :func:`_parse_hooked` reads, with no violation (its floats aside)."""
+    if b"-0" in raw and _may_hold_negative_zero_integer(raw):
+        return False
     # orjson refuses lone surrogates and integers outside the range (at most
     # 2^53 - 1 with OPT_STRICT_INTEGER; else -2^63 .. 2^64 - 1, within U64_MAX).
-    option = orjson.OPT_STRICT_INTEGER if limit < _U64_MAX else 0
+    option = orjson.OPT_STRICT_INTEGER if dialect.max_integer < _U64_MAX else 0
     try:
         compact = orjson.dumps(value, option=option)
     except orjson.JSONEncodeError:
-        return None
+        return False
     if _colons(raw) != compact.count(b":"):
-        return None  # a repeated key
+        return False  # a repeated key
     # The tree's own text is shorter, and spells each control character the one
     # way the string screens look for (an escape below U+0020, DEL and C1 raw).
-    if _may_break_rules(compact, dialect):
-        return None
-    return Parsed(value, (), tuple(floats))
+    return not _may_break_rules(compact, dialect)
 
 
 _U64_MAX = 2**64 - 1  # the widest integer orjson writes

@@ -241,3 +241,78 @@ def test_a_header_read_through_frozen_records_is_one_of_header_entries(tmp_path:
     finally:
         os.close(fd)
     assert entries == {"w": HeaderEntry("w", "F32", (2,), 8 + len(header), 16 + len(header))}
+
+
+# ------------------------------------------------------------ parse_floatless
+
+
+def holds_float(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(holds_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(holds_float(v) for v in value)
+    return isinstance(value, float)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts(), st.sampled_from(DIALECTS))
+def test_a_floatless_tree_is_the_hooked_tree(text: str, dialect: Dialect) -> None:
+    raw = text.encode()
+    tree = strictjson.parse_floatless(raw, dialect)
+    if tree is None or holds_float(tree):
+        return  # declined, or the caller would decline it
+    hooked = strictjson._parse_hooked(raw, dialect)
+    assert hooked.violations == ()
+    assert exact(tree) == exact(hooked.value)
+    assert hooked.floats == ()
+
+
+HEADER_VALUES = st.sampled_from(
+    ['"F32"', '"F4"', '"Q8"', "[2]", "[2, 3]", "[0, 8]", "[8, 16]", "[0, 24]", "[-0, 8]",
+     "[0, 8.0]", "[0, 18446744073709551616]", "[0, 1e400]", "[]", "{}", '"x"', "-0", "1"]
+)  # fmt: skip
+HEADER_KEYS = st.sampled_from(['"dtype"', '"shape"', '"data_offsets"', '"crc"', '"dtype\\u003a"'])
+
+
+@st.composite
+def header_texts(draw: st.DrawFn) -> bytes:
+    """Header text as writers spell it, and near it: repeats, -0, floats, escapes."""
+    entries = []
+    offset = 0
+    for name in draw(st.lists(st.sampled_from(['"a"', '"b"', '"a\\u003a"', '"a"']), max_size=3)):
+        fields = {"dtype": '"F32"', "shape": "[2]", "data_offsets": f"[{offset}, {offset + 8}]"}
+        offset += 8
+        members = [f'"{k}": {v}' for k, v in fields.items()]
+        if draw(st.integers(0, 2)) == 0:  # change or add a field
+            members.append(f"{draw(HEADER_KEYS)}: {draw(HEADER_VALUES)}")
+        entries.append(f"{name}: {{{', '.join(draw(st.permutations(members)))}}}")
+    if draw(st.booleans()):
+        entries.append(draw(st.sampled_from(
+            ['"__metadata__": {"format": "pt"}', '"__metadata__": {"n": 1.5}',
+             '"__metadata__": {"a": "x", "a": "y"}', '"__metadata__": []']
+        )))  # fmt: skip
+    return ("{" + ", ".join(draw(st.permutations(entries))) + "}").encode()
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(header_texts(), st.sampled_from([0, 8, 16, 24]))
+def test_a_header_reads_the_same_with_and_without_orjson(
+    tmp_path_factory: pytest.TempPathFactory, header: bytes, data_size: int
+) -> None:
+    import nanrunbook.tensors.safetensors as module
+
+    path = tmp_path_factory.mktemp("h") / "t.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(data_size))
+    results = []
+    original = module._plain_header
+    for plain_header in (original, lambda raw, start: None):
+        module._plain_header = plain_header
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            results.append(read_header(fd, "t.safetensors"))
+        except Exception as err:  # EvidenceRejected: compare the violations
+            results.append(getattr(err, "violations", err))
+        finally:
+            os.close(fd)
+            module._plain_header = original
+    assert results[0] == results[1]

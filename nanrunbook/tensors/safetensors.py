@@ -143,7 +143,10 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     try:
         size = os.fstat(fd).st_size
         header_len = _header_length(fd, size, max_header_len)
-        root = _parse_header(_header_bytes(fd, relpath, header_len))
+        data_start = 8 + header_len
+        raw = _header_bytes(fd, relpath, header_len)
+        plain = _plain_header(raw, data_start)
+        root = plain[0] if plain is not None else _parse_header(raw)
     except _Refused as refused:
         raise EvidenceRejected([Violation(refused.code, where, str(refused))]) from None
     except OSError as err:
@@ -154,8 +157,9 @@ def read_header(fd: int, relpath: str, *, max_header_len: int = MAX_HEADER_LEN) 
     def add(code: str, message: str) -> None:
         violations.append(Violation(code, where, message))
 
-    data_start = 8 + header_len
-    entries = _check_entries(root, size - data_start, data_start, add)
+    entries = _check_entries(
+        root, size - data_start, data_start, add, plain[1] if plain is not None else None
+    )
     if violations:
         raise EvidenceRejected(violations)
     return TensorFileHeader(
@@ -195,6 +199,27 @@ def _header_bytes(fd: int, relpath: str, header_len: int) -> bytes:
     return raw
 
 
+def _plain_header(raw: bytes, data_start: int) -> tuple[dict[str, Any], _Plain] | None:
+    """The header as a writer writes it, read by orjson: its tree and its entries
+    (:func:`_plain_entries`), or None, and :func:`_parse_header` reads it.
+
+    :func:`~nanrunbook.strictjson.parse_floatless` asks that the tree hold no
+    float; here every value is checked to be an entry of strings and integers,
+    or a metadata string, so none can be.
+    """
+    body = raw.rstrip(b" ")
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        return None
+    root = strictjson.parse_floatless(body, HEADER_JSON)
+    if type(root) is not dict:
+        return None
+    metadata = root.get(_METADATA, {})
+    if type(metadata) is not dict or not {*map(type, metadata.values())} <= {str}:
+        return None
+    plain = _plain_entries(root, data_start)
+    return None if plain is None else (root, plain)
+
+
 def _parse_header(raw: bytes) -> dict[str, Any]:
     """The header object, read by the strict reader under :data:`HEADER_JSON`."""
     try:
@@ -229,13 +254,15 @@ _Add = Callable[[str, str], None]
 # A tensor's byte range relative to the data area, with its header position
 # (to keep header order among equal ranges) and name.
 _Range = tuple[int, int, int, str]
+_Plain = tuple[dict[str, HeaderEntry], list[_Range]]  # the entries, their ranges
 
 
 def _check_entries(
-    root: dict[str, Any], data_size: int, data_start: int, add: _Add
+    root: dict[str, Any], data_size: int, data_start: int, add: _Add, plain: _Plain | None = None
 ) -> dict[str, HeaderEntry]:
-    """Every entry checked, and its range in the tiling; the well-formed ones returned."""
-    plain = _plain_entries(root, data_start)
+    """Every entry checked, and its range in the tiling; the well-formed ones returned.
+    ``plain``: the root's :func:`_plain_entries`, when they were read already."""
+    plain = plain or _plain_entries(root, data_start)
     if plain is not None:
         if _METADATA in root:
             _check_metadata(root[_METADATA], add)
@@ -272,9 +299,7 @@ _Entry = tuple[int | None, int | None, "HeaderEntry | None"]  # range (None: unk
 _FIELDS = operator.itemgetter(*_TENSOR_FIELDS)
 
 
-def _plain_entries(
-    root: dict[str, Any], data_start: int
-) -> tuple[dict[str, HeaderEntry], list[_Range]] | None:
+def _plain_entries(root: dict[str, Any], data_start: int) -> _Plain | None:
     """Every tensor entry of a header as a writer writes them, read column by column.
 
     Each test runs over a whole column in C (``map``, ``set``, ``zip``) instead of
