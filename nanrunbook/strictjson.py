@@ -157,12 +157,15 @@ class Parsed:
 
     ``violations`` are the lexical ones, ``where`` being the JSON path, in document
     order. ``floats`` are the values of every float literal (``-0`` included),
-    which lets :func:`canonical_json` take its fast path.
+    which lets :func:`canonical_json` take its fast path. ``sorted_compact``, when
+    the screened read made it, is ``orjson``'s compact form of the tree with keys
+    sorted, integers within 2^53 - 1: what :func:`canonical_member_dropped` starts from.
     """
 
     value: Any
     violations: tuple[Violation, ...]
     floats: tuple[float, ...]
+    sorted_compact: bytes | None = None
 
 
 def parse_json(raw: bytes, dialect: Dialect) -> Parsed:
@@ -204,9 +207,14 @@ def _parse_screened(raw: bytes, dialect: Dialect) -> Parsed | None:
         raise  # the hooked read stops at the same place: its hooks never raise
     except (RecursionError, ValueError):  # ValueError: an integer of over 4300 digits
         return None
-    if nonfinite or not _reads_as_hooked(raw, value, dialect):
+    if nonfinite:
         return None
-    return Parsed(value, (), tuple(floats))
+    compact = _compact_as_hooked(raw, value, dialect, orjson.OPT_SORT_KEYS)
+    if compact is None:
+        return None
+    # Integers past 2^53 - 1 would have no RFC 8785 form: only then is it kept.
+    exact = dialect.max_integer == MAX_SAFE_INTEGER
+    return Parsed(value, (), tuple(floats), compact if exact else None)
 
 
 def parse_floatless(raw: bytes, dialect: Dialect) -> Any | None:
@@ -224,26 +232,28 @@ def parse_floatless(raw: bytes, dialect: Dialect) -> Any | None:
         value = orjson.loads(raw)  # refuses NaN, Infinity, overflow, lone surrogates
     except orjson.JSONDecodeError:
         return None
-    return value if _reads_as_hooked(raw, value, dialect) else None
+    return value if _compact_as_hooked(raw, value, dialect) is not None else None
 
 
-def _reads_as_hooked(raw: bytes, value: Any, dialect: Dialect) -> bool:
-    """Whether ``value``, read from ``raw`` without integer and object hooks, is
-    what :func:`_parse_hooked` reads, with no violation (its floats aside)."""
+def _compact_as_hooked(raw: bytes, value: Any, dialect: Dialect, option: int = 0) -> bytes | None:
+    """orjson's compact form of ``value`` (with ``option``) when ``value``, read from
+    ``raw`` without integer and object hooks, is what :func:`_parse_hooked` reads,
+    with no violation (its floats aside); else None."""
     if b"-0" in raw and _may_hold_negative_zero_integer(raw):
-        return False
+        return None
     # orjson refuses lone surrogates and integers outside the range (at most
     # 2^53 - 1 with OPT_STRICT_INTEGER; else -2^63 .. 2^64 - 1, within U64_MAX).
-    option = orjson.OPT_STRICT_INTEGER if dialect.max_integer < _U64_MAX else 0
+    if dialect.max_integer < _U64_MAX:
+        option |= orjson.OPT_STRICT_INTEGER
     try:
         compact = orjson.dumps(value, option=option)
     except orjson.JSONEncodeError:
-        return False
+        return None
     if _colons(raw) != compact.count(b":"):
-        return False  # a repeated key
+        return None  # a repeated key
     # The tree's own text is shorter, and spells each control character the one
     # way the string screens look for (an escape below U+0020, DEL and C1 raw).
-    return not _may_break_rules(compact, dialect)
+    return None if _may_break_rules(compact, dialect) else compact
 
 
 _U64_MAX = 2**64 - 1  # the widest integer orjson writes
@@ -509,8 +519,42 @@ def _ends_inside_a_value(raw: bytes) -> bool:
 
 # ------------------------------------------------------------ canonical form
 
-_ASTRAL_UTF8 = re.compile(rb"[\xf0-\xf4]")  # a lead byte of a character past U+FFFF
+_ASTRAL_LEADS = (b"\xf0", b"\xf1", b"\xf2", b"\xf3", b"\xf4")  # of characters past U+FFFF
 _NUMBER_END = rb"(?=[,\]}])"
+_SAFE_MEMBER = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but " and \: written as it is
+
+
+def canonical_member_dropped(parsed: Parsed, key: str) -> bytes:
+    """The RFC 8785 form of a parsed object without its member ``key``, byte for
+    byte ``canonical_json`` of that smaller object.
+
+    From :attr:`Parsed.sorted_compact` when the screened read made it and the
+    member is found there exactly once: its text is cut out, not the whole tree
+    written again. A member of printable ASCII other than quotes and backslashes
+    cannot be spelled inside a string (every quote there is escaped), so each
+    place its text stands is that member, at some depth; once only, the top one.
+    """
+    obj: dict[str, Any] = parsed.value
+    body = {name: item for name, item in obj.items() if name != key}
+    floats = None if not isinstance(obj.get(key, ""), str) else parsed.floats
+    member = orjson.dumps({key: obj[key]})[1:-1] if key in obj else None
+    compact = parsed.sorted_compact
+    if compact is None or member is None or not _plain_member(key, obj[key]):
+        return canonical_json(body, floats)
+    start = compact.find(member)
+    end = start + len(member)
+    if start < 0 or compact.find(member, end) >= 0:
+        return canonical_json(body, floats)  # not once only
+    if compact[start - 1 : start] == b",":
+        start -= 1  # the comma before it
+    elif compact[end : end + 1] == b",":
+        end += 1  # the first member: the comma after it
+    fast = _canonical_from(compact, parsed.floats, (start, end, b""))
+    return fast if fast is not None else canonical_json(body, floats)
+
+
+def _plain_member(key: str, value: Any) -> bool:
+    return all(isinstance(text, str) and _SAFE_MEMBER.fullmatch(text) for text in (key, value))
 
 
 def canonical_json(value: Any, floats: Iterable[float] | None = None) -> bytes:
@@ -544,13 +588,20 @@ def _canonical_fast(value: Any, floats: Iterable[float]) -> bytes | None:
         out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER)
     except (orjson.JSONEncodeError, TypeError):
         return None
-    if not out.isascii() and _ASTRAL_UTF8.search(out):
+    return _canonical_from(out, floats)
+
+
+def _canonical_from(
+    out: bytes, floats: Iterable[float], cut: tuple[int, int, bytes] | None = None
+) -> bytes | None:
+    """:func:`_canonical_fast` from orjson's sorted compact form ``out``, with the
+    text of one member ``cut`` out (a float token found in it would make a count
+    differ: then None)."""
+    if not out.isascii() and any(lead in out for lead in _ASTRAL_LEADS):
         return None
+    edits: list[tuple[int, int, bytes]] = [cut] if cut else []
     floats = list(floats)
-    if not floats:
-        return out
-    tokens = Counter(orjson.dumps(floats)[1:-1].split(b","))
-    edits: list[tuple[int, int, bytes]] = []
+    tokens = Counter(orjson.dumps(floats)[1:-1].split(b",")) if floats else Counter()
     for token, count in tokens.items():
         canonical: bytes = rfc8785.dumps(float(token))
         if canonical == token:

@@ -316,3 +316,69 @@ def test_a_header_reads_the_same_with_and_without_orjson(
             os.close(fd)
             module._plain_header = original
     assert results[0] == results[1]
+
+
+# -------------------------------------------------- canonical_member_dropped
+
+ID = "training-incident-evidence@sha256:" + "0123456789abcdef" * 4
+LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53) + 1, 2**53 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([2.0, -0.0, 1e16, 1e-7, 0.5]),
+    st.text(max_size=6),
+    st.sampled_from([ID, "x:2.0,", '"evidence_content_id":"' + ID + '"', "\U0001f600", "\x7f"]),
+)
+VALUES = st.recursive(
+    LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(["a", "b", "evidence_content_id", "é"]), inner, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(st.sampled_from(["a", "b", "z", "\U00010000", "ｚ"]), VALUES, max_size=4),
+    st.one_of(st.none(), st.just(ID), VALUES),
+    st.booleans(),
+    st.sampled_from([None, 2]),
+)
+def test_the_member_dropped_form_is_rfc8785_of_the_rest(
+    rest: dict[str, Any], declared: Any, ascii_only: bool, indent: int | None
+) -> None:
+    import rfc8785
+
+    document = dict(rest)
+    if declared is not None:
+        document["evidence_content_id"] = declared
+    text = json.dumps(document, ensure_ascii=ascii_only, indent=indent).encode()
+    parsed = parse_json(text, MANIFEST)
+    body = {k: v for k, v in parsed.value.items() if k != "evidence_content_id"}
+    expected = rfc8785.dumps(body)
+    assert strictjson.canonical_member_dropped(parsed, "evidence_content_id") == expected
+
+
+def test_the_member_dropped_form_cuts_the_text_for_a_producers_manifest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No second orjson pass over the tree, and rfc8785 sees single floats only."""
+    import orjson
+    import rfc8785
+
+    manifest = FIXTURES / "hold-backward-dynamic-skip" / "manifest.json"
+    parsed = strictjson.load_manifest(manifest.read_bytes())
+    assert parsed.sorted_compact is not None
+    body = {k: v for k, v in parsed.value.items() if k != "evidence_content_id"}
+    expected = rfc8785.dumps(body)
+    calls: list[Any] = []
+    real_rfc, real_orjson = rfc8785.dumps, orjson.dumps
+    monkeypatch.setattr(rfc8785, "dumps", lambda v: calls.append(v) or real_rfc(v))
+    monkeypatch.setattr(orjson, "dumps", lambda v, **k: calls.append(v) or real_orjson(v, **k))
+    assert strictjson.canonical_member_dropped(parsed, "evidence_content_id") == expected
+    # Only the member itself (to find its text), the floats and single floats.
+    whole = [v for v in calls if isinstance(v, dict) and set(v) != {"evidence_content_id"}]
+    assert whole == []

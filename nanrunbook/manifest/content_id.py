@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nanrunbook.errors import Violation
-from nanrunbook.strictjson import Parsed, canonical_json
+from nanrunbook.strictjson import Parsed, canonical_json, canonical_member_dropped
 
 __all__ = [
     "CODES",
@@ -49,7 +49,8 @@ def content_id_violations(document: Parsed) -> list[Violation]:
     declared = document.value.get(EVIDENCE_ID_KEY)
     if not isinstance(declared, str) or not EVIDENCE_ID_FORM.fullmatch(declared):
         return []
-    recomputed = evidence_content_id(document.value, floats=document.floats)
+    canonical = canonical_member_dropped(document, EVIDENCE_ID_KEY)
+    recomputed = EVIDENCE_ID_PREFIX + hashlib.sha256(canonical).hexdigest()
     if declared == recomputed:
         return []
     return [
