@@ -314,21 +314,30 @@ _Record = TypeVar("_Record")
 _BUILDERS: dict[type[Any], type[Any]] = {}
 
 
-def frozen_records(cls: type[_Record], *columns: Iterable[Any]) -> list[_Record]:
-    """``list(map(cls, *columns))`` for a frozen slots dataclass, about four times
-    faster: one record per row, ``columns`` holding every field in field order.
+def frozen_records(
+    cls: type[_Record], first: Sequence[Any], *columns: Iterable[Any]
+) -> list[_Record]:
+    """``list(map(cls, first, *columns))`` for a frozen slots dataclass, some four
+    times faster for many rows: one record per row, the columns holding every
+    field in field order.
 
     A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
     (about 1.5 us a record, most of the cost of reading a header of thousands of
     tensors). A plain class with the same slots sets them at C speed, and its
     instance can then take ``cls`` as its class, the two layouts being one: the
-    records are ``cls``'s in every respect (tests/test_parse_fast.py).
+    records are ``cls``'s in every respect (tests/test_screened_reader.py). Below
+    a few hundred rows, making that class (once) would cost more than it saves.
     """
+    if len(first) < _FEW_RECORDS:
+        return list(map(cls, first, *columns))
     builder = _BUILDERS.get(cls) or _builder(cls)
-    records = list(map(builder, *columns))
+    records = list(map(builder, first, *columns))
     for record in records:
         record.__class__ = cls
     return records
+
+
+_FEW_RECORDS = 256
 
 
 def _builder(cls: type[Any]) -> type[Any]:

@@ -197,23 +197,27 @@ class Pair:
     right: str
 
 
-def test_frozen_records_are_the_records_map_builds() -> None:
+@pytest.mark.parametrize("rows", [2, 300])  # below and above the bulk threshold
+def test_frozen_records_are_the_records_map_builds(rows: int) -> None:
     columns = (
-        ["w", "v"],
-        ["F32", "BF16"],
-        [(2, 3), ()],
-        ["p", ""],
-        ["t.st", None],
-        ["0" * 64, None],
+        [f"w{i}" for i in range(rows)],
+        ["F32", "BF16"] * (rows // 2),
+        [(2, 3), ()] * (rows // 2),
+        ["p", ""] * (rows // 2),
+        ["t.st", None] * (rows // 2),
+        ["0" * 64, None] * (rows // 2),
     )
     built = frozen_records(TensorEntry, *columns)
     assert built == list(map(TensorEntry, *columns))
-    assert [type(r) for r in built] == [TensorEntry, TensorEntry]
+    assert {type(r) for r in built} == {TensorEntry}
     assert list(map(hash, built)) == [hash(r) for r in map(TensorEntry, *columns)]
     assert repr(built[0]) == repr(TensorEntry(*(c[0] for c in columns)))
     with pytest.raises(FrozenInstanceError):
-        built[0].name = "x"  # type: ignore[misc]
-    assert frozen_records(Pair, [1], ["a"]) == [Pair(1, "a")]
+        built[-1].name = "x"  # type: ignore[misc]
+    numbers = list(range(rows))
+    assert frozen_records(Pair, numbers, map(str, numbers)) == list(
+        map(Pair, numbers, map(str, numbers))
+    )
     assert frozen_records(HeaderEntry, [], [], [], [], []) == []
 
 
@@ -228,19 +232,30 @@ def test_frozen_records_refuses_other_classes() -> None:
 
     for cls in (Mutable, NoSlots, int):
         with pytest.raises(TypeError):
-            frozen_records(cls, [1])
+            frozen_records(cls, list(range(300)))
 
 
-def test_a_header_read_through_frozen_records_is_one_of_header_entries(tmp_path: Path) -> None:
-    header = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+def test_a_big_header_is_read_into_header_entries(tmp_path: Path) -> None:
+    count = 300
+    fields = ",".join(
+        f'"t{i}":{{"dtype":"F32","shape":[2],"data_offsets":[{8 * i},{8 * i + 8}]}}'
+        for i in range(count)
+    )
+    header = ("{" + fields + "}").encode()
     path = tmp_path / "t.safetensors"
-    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8 * count))
     fd = os.open(path, os.O_RDONLY)
     try:
         entries = read_header(fd, "t.safetensors").entries
     finally:
         os.close(fd)
-    assert entries == {"w": HeaderEntry("w", "F32", (2,), 8 + len(header), 16 + len(header))}
+    start = 8 + len(header)
+    expected = {
+        f"t{i}": HeaderEntry(f"t{i}", "F32", (2,), start + 8 * i, start + 8 * i + 8)
+        for i in range(count)
+    }
+    assert entries == expected
+    assert {type(entry) for entry in entries.values()} == {HeaderEntry}
 
 
 # ------------------------------------------------------------ parse_floatless
