@@ -203,10 +203,8 @@ def _parse_screened(raw: bytes, dialect: Dialect) -> Parsed | None:
     decoder = json.JSONDecoder(parse_float=parse_float, parse_constant=nonfinite.append)
     try:
         value = decoder.decode(text)
-    except json.JSONDecodeError:
-        raise  # the hooked read stops at the same place: its hooks never raise
-    except (RecursionError, ValueError):  # ValueError: an integer of over 4300 digits
-        return None
+    except (RecursionError, ValueError):  # malformed, too deep, a 4300-digit integer
+        return None  # the hooked read words it (stopping where this one stopped)
     if nonfinite:
         return None
     compact = _compact_as_hooked(raw, value, dialect, orjson.OPT_SORT_KEYS)
