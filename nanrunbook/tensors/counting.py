@@ -63,7 +63,15 @@ import numpy.typing as npt
 from nanrunbook.dtypes import DTYPES, DType, FloatFormat
 from nanrunbook.records import Counts, Extremes
 
-__all__ = ["Counter", "Tally", "code_values", "extremes_bytes", "tally_bytes"]
+__all__ = [
+    "BATCHABLE",
+    "Counter",
+    "Tally",
+    "code_values",
+    "count_segments",
+    "extremes_bytes",
+    "tally_bytes",
+]
 
 _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
@@ -518,12 +526,13 @@ def code_values(dtype: str) -> tuple[float, ...]:
 # -- many small tensors at once -------------------------------------------------------
 
 
-def batchable(dtype: str) -> bool:
-    """Whether :func:`count_segments` takes tensors of ``dtype``: every dtype whose
-    values are whole bytes each (not C64's pairs, nor the packed F6 and F4)."""
-    found = DTYPES[dtype]
-    bits = _BITS[dtype]
-    return found.kind != "complex" and (bits is None or bits.fmt.bits % 8 == 0)
+# The dtypes :func:`count_segments` takes: every dtype whose values are whole bytes
+# each (not C64's pairs, nor the packed F6 and F4).
+BATCHABLE = frozenset(
+    name
+    for name, found in DTYPES.items()
+    if found.kind != "complex" and (found.format is None or found.format.bits % 8 == 0)
+)
 
 
 def count_segments(
@@ -536,7 +545,7 @@ def count_segments(
     The same facts as one :class:`Counter` per tensor, bit for bit (a property test
     holds the two together): a bundle may bind thousands of tensors of a few dozen
     elements, where a counter's per-call costs would outweigh the counting.
-    ``dtype`` must be :func:`batchable`.
+    ``dtype`` must be in :data:`BATCHABLE`.
     """
     found = DTYPES[dtype]
     bits = _BITS[dtype]

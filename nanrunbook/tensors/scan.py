@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 from nanrunbook.dtypes import WHOLE_ELEMENTS_BYTES
 from nanrunbook.records import Extremes
-from nanrunbook.tensors.counting import Counter, Tally, batchable, count_segments
+from nanrunbook.tensors.counting import BATCHABLE, Counter, Tally, count_segments
 
 __all__ = [
     "CHUNK_SIZE",
@@ -333,7 +333,7 @@ def _units(jobs: Sequence[ScanJob], chunk_size: int) -> list[_Unit]:
     units: list[_Unit] = []
     small: dict[int, list[int]] = {}
     for index, job in enumerate(jobs):
-        if 0 < job.length <= limit and batchable(job.dtype):
+        if 0 < job.length <= limit and job.dtype in BATCHABLE:
             small.setdefault(job.fd, []).append(index)
         else:
             units.append(_Unit((index,)))

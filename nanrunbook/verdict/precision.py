@@ -146,26 +146,51 @@ def closest_to_limit(
     stage and capture order on a tie. None when no such tensor has a non-zero value.
     """
     compute = _compute_limits(report)
-    best: tuple[float, StageFinding, int, TensorFinding, bool] | None = None
-    for stage, index, tensor, extremes in _measured(report):
-        max_abs = extremes.max_abs
-        if stage.stage not in stages or not max_abs:
+    best: tuple[float, StageFinding, int, bool] | None = None
+    for stage in report.stages:
+        if stage.stage not in stages:
             continue
-        log2_abs = math.log2(max_abs)
         against = compute if stage.stage in COMPUTE_STAGES else None
-        for limit, is_compute in ((_LIMITS[tensor.entry.dtype], False), (against, True)):
-            if limit is None:
-                continue
-            bits = limit.log2_max - log2_abs
-            if best is None or bits < best[0]:
-                best = (bits, stage, index, tensor, is_compute)
+        # Against one limit, the least headroom is the largest magnitude: only the
+        # first largest of each dtype (and of the stage, for the compute dtype) can win.
+        for index, is_compute in _largest(stage, against is not None):
+            tensor = stage.tensors[index]
+            limit = against if is_compute else _LIMITS[tensor.entry.dtype]
+            assert limit is not None and tensor.extremes is not None
+            bits = limit.log2_max - math.log2(tensor.extremes.max_abs or 0.0)
+            if best is None or bits < best[0]:  # strictly: the first one wins a tie
+                best = (bits, stage, index, is_compute)
     if best is None:
         return None
-    _, stage, index, tensor, is_compute = best
-    room = _tensor_headroom(stage, index, tensor, compute)
+    _, stage, index, is_compute = best
+    room = _tensor_headroom(stage, index, stage.tensors[index], compute)
     closest = room.compute if is_compute else room.own
     assert closest is not None
     return room, closest
+
+
+def _largest(stage: StageFinding, with_compute: bool) -> list[tuple[int, bool]]:
+    """The index of the first tensor of the largest non-zero magnitude of each dtype,
+    and of the whole stage when ``with_compute``; in capture order, own limit first."""
+    by_dtype: dict[str, tuple[float, int]] = {}
+    overall: tuple[float, int] | None = None
+    for index, tensor in enumerate(stage.tensors):
+        extremes = tensor.extremes
+        if extremes is None or tensor.counts is None:
+            continue
+        max_abs = extremes.max_abs
+        if not max_abs:
+            continue
+        dtype = tensor.entry.dtype
+        held = by_dtype.get(dtype)
+        if held is None or max_abs > held[0]:
+            by_dtype[dtype] = (max_abs, index)
+        if overall is None or max_abs > overall[0]:
+            overall = (max_abs, index)
+    found = [(index, False) for _, index in by_dtype.values()]
+    if with_compute and overall is not None:
+        found.append((overall[1], True))
+    return sorted(found)
 
 
 def _tensor_headroom(
@@ -222,13 +247,15 @@ def early_warnings(
     for stage, index, tensor, extremes in _measured(report):
         max_abs = extremes.max_abs
         against = compute if stage.stage in COMPUTE_STAGES else None
-        ranged: list[tuple[str, str]] = []
+        warned: list[tuple[str, str]] = []
         if max_abs and (
             max_abs * near >= _LIMITS[tensor.entry.dtype].max_finite
             or (against is not None and max_abs * near >= against.max_finite)
         ):
-            ranged = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
-        for code, message in (*ranged, *_underflow_warnings(stage.stage, tensor, limits, scale)):
+            warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
+        if stage.stage == _GRADIENT_STAGE:
+            warned += _underflow_warnings(tensor, limits, scale)
+        for code, message in warned:
             found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
     return tuple(found)
 
@@ -282,12 +309,13 @@ def _below(max_abs: float, room: Headroom, whose: str) -> str:
 
 
 def _underflow_warnings(
-    stage: str, tensor: TensorFinding, limits: WarningThresholds, scale: float | None
+    tensor: TensorFinding, limits: WarningThresholds, scale: float | None
 ) -> list[tuple[str, str]]:
+    """A gradient's: the caller asks only of the backward stage's tensors."""
     extremes, counts, dtype = tensor.extremes, tensor.counts, tensor.entry.dtype
     assert extremes is not None and counts is not None
     # A gradient with NaN or infinite elements is a stronger signal than its zeros.
-    if stage != _GRADIENT_STAGE or not extremes.values or counts.nonfinite:
+    if not extremes.values or counts.nonfinite:
         return []
     if scale is not None and extremes.zeros == extremes.values:
         message = f"all {extremes.values} finite values are zero under loss scale {_num(scale)}"
