@@ -406,9 +406,10 @@ def brute_closest(report: nanrunbook.Report, stages: set[str]) -> Any:
         if room.stage not in stages:
             continue
         for limit in (room.own, room.compute):
-            if limit is not None and limit.bits is not None:
-                if best is None or limit.bits < best[1].bits:
-                    best = (room, limit)
+            if limit is None or limit.bits is None:
+                continue
+            if best is None or limit.bits < best[1].bits:
+                best = (room, limit)
     return best
 
 
