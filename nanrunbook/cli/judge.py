@@ -100,9 +100,10 @@ def emit_rejection(
 
 def _renderer(fmt: str, brief: bool) -> Renderer:
     from nanrunbook.output.renderers import RENDERERS
-    from nanrunbook.output.text import TextRenderer
 
     if brief:
+        from nanrunbook.output.text import TextRenderer
+
         assert fmt == "text", "--brief is refused with other formats before the check"
         return TextRenderer(brief=True)
     return RENDERERS[fmt]
