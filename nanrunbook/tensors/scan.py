@@ -329,6 +329,10 @@ def _python_bound(jobs: Sequence[ScanJob], units: Sequence[_Unit]) -> bool:
 BATCH_TENSOR_BYTES = 64 * 1024
 # Bytes between two small tensors that a batch reads past rather than split.
 _BATCH_GAP_BYTES = 64 * 1024
+# The most bytes one batch spans: its counting keeps a few 8-byte integers per
+# value for a moment (up to some 50 MiB for 1-byte values at 2 MiB), so batches
+# stay well below a chunk; a quarter MiB still holds 4,096 tensors of 64 bytes.
+BATCH_SPAN_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,9 +347,11 @@ class _Unit:
 
 
 def _units(jobs: Sequence[ScanJob], chunk_size: int) -> list[_Unit]:
-    """Every job as a unit of its own, except small floating ones, batched by file
-    in byte order while a batch spans at most ``chunk_size`` bytes."""
+    """Every job as a unit of its own, except small ones of a :data:`BATCHABLE`
+    dtype, batched by file in byte order while a batch spans at most
+    :data:`BATCH_SPAN_BYTES` (and ``chunk_size``) bytes."""
     limit = min(BATCH_TENSOR_BYTES, chunk_size)
+    span = min(BATCH_SPAN_BYTES, chunk_size)
     units: list[_Unit] = []
     small: dict[int, list[int]] = {}
     for index, job in enumerate(jobs):
@@ -360,7 +366,7 @@ def _units(jobs: Sequence[ScanJob], chunk_size: int) -> list[_Unit]:
         for index in members:
             job = jobs[index]
             stop = job.offset + job.length
-            if batch and (job.offset - end > _BATCH_GAP_BYTES or stop - start > chunk_size):
+            if batch and (job.offset - end > _BATCH_GAP_BYTES or stop - start > span):
                 units.append(_Unit(tuple(batch), True, start, end))
                 batch = []
             if not batch:
