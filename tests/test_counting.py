@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from reference_tally import reference, reference_c64
 
 from nanrunbook.dtypes import DTYPES
-from nanrunbook.tensors.counting import Counter, Tally, tally_bytes
+from nanrunbook.tensors.counting import BATCHABLE, Counter, Tally, count_segments, tally_bytes
 
 # dtype -> (numpy/ml_dtypes scalar type, bytes per element) for formats whose
 # every bit pattern fits a test table.
@@ -413,3 +413,49 @@ def test_accepts_bytes_bytearray_memoryview_and_reuses_counter() -> None:
     counter.feed(raw[64:72])
     counter.feed(raw[72:])
     assert counter.result() == expected
+
+
+# -- many small tensors at once (count_segments) ------------------------------------------
+
+
+def interesting_bits(dtype: str) -> st.SearchStrategy[int]:
+    """Any bit pattern, weighted towards zeros, subnormals, the largest finite codes
+    and the non-finite ones, where the segment reductions could go wrong."""
+    fmt = DTYPES[dtype].format
+    width = DTYPES[dtype].bits
+    anything = st.integers(0, (1 << width) - 1)
+    if fmt is None:
+        return anything
+    sign = st.sampled_from([0, fmt.sign])
+    special = st.sampled_from(
+        [0, 1, fmt.min_normal_code, fmt.max_finite_code, fmt.code_mask]
+        + ([fmt.first_nonfinite] if fmt.first_nonfinite is not None else [])
+    )
+    return st.one_of(anything, st.builds(lambda s, c: s | c, sign, special))
+
+
+@pytest.mark.parametrize("dtype", sorted(BATCHABLE))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_segments_match_one_counter_each(dtype: str, data: st.DataObject) -> None:
+    width = max(1, DTYPES[dtype].bits // 8)
+    tensors = data.draw(
+        st.lists(
+            st.lists(interesting_bits(dtype), min_size=1, max_size=40), min_size=1, max_size=12
+        )
+    )
+    blobs = [b"".join(code.to_bytes(width, "little") for code in codes) for codes in tensors]
+    got = count_segments(dtype, b"".join(blobs), [len(blob) for blob in blobs])
+    for blob, (tally, extremes) in zip(blobs, got, strict=True):
+        counter = Counter(dtype)
+        counter.feed(blob)
+        # repr tells -0.0 from 0.0, which == does not
+        assert repr((tally, extremes)) == repr((counter.result(), counter.extremes()))
+
+
+def test_batchable_dtypes_are_the_whole_byte_ones() -> None:
+    assert {
+        name
+        for name, d in DTYPES.items()
+        if d.kind != "complex" and (d.format is None or d.format.bits % 8 == 0)
+    } == BATCHABLE

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import nanrunbook
 from nanrunbook import WarningThresholds, check_bundle, headroom, report_document
 from nanrunbook.capture import BundleWriter, RawTensor
+from nanrunbook.verdict.precision import closest_to_limit
 from nanrunbook.warning_codes import WARNING_CODES
 
 STAGES = ("input", "forward", "loss", "backward", "optimizer")
@@ -396,3 +397,41 @@ def test_json_document_carries_extremes_headroom_and_warnings(tmp_path: Path) ->
     ]
     filler = document["stages"][0]["tensors"][0]
     assert filler["extremes"]["max"] == 1.0 and filler["headroom"]["compute"]["dtype"] == "F16"
+
+
+def brute_closest(report: nanrunbook.Report, stages: set[str]) -> Any:
+    """Every tensor's headroom to every limit, the least first; the first on a tie."""
+    best = None
+    for room in headroom(report):
+        if room.stage not in stages:
+            continue
+        for limit in (room.own, room.compute):
+            if limit is None or limit.bits is None:
+                continue
+            if best is None or limit.bits < best[1].bits:
+                best = (room, limit)
+    return best
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_closest_to_limit_is_the_least_headroom_of_all(tmp_path: Path, data: st.DataObject) -> None:
+    # Ties included: a few codes of a few dtypes, drawn again and again.
+    dtypes = ["F16", "BF16", "F32", "F8_E4M3"]
+    tensors: list[Tensor] = []
+    for _ in range(data.draw(st.integers(1, 8))):
+        dtype = data.draw(st.sampled_from(dtypes))
+        codes, values = code_table(dtype) if dtype != "F32" else (None, None)
+        if codes is None:
+            pool = np.array([1.0, 2.0, 65504.0, 3e38], dtype="<f4").view("<u4").tolist()
+        else:
+            finite = np.isfinite(values)
+            pool = [int(c) for c in codes[finite][:: max(1, int(finite.sum()) // 6)]]
+        chosen = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4))
+        tensors.append((data.draw(st.sampled_from(STAGES)), dtype, chosen))
+    compute = data.draw(st.sampled_from(dtypes))
+    report = check_bundle(write(tmp_path, tensors, compute=compute, scaled=False))
+    for stages in ({"input"}, {"input", "forward"}, set(STAGES)):
+        assert closest_to_limit(report, stages) == brute_closest(report, stages)

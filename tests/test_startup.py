@@ -60,6 +60,18 @@ def test_kv_check_loads_numpy_but_not_torch_or_rich() -> None:
     assert code == 0
     assert "numpy" in modules  # counting uses it
     assert not tops(modules) & {"torch", "rich", "safetensors", "ml_dtypes"}
+    # Only the renderer of the format asked for is imported.
+    assert "nanrunbook.output.kv" in modules
+    assert not {"nanrunbook.output.text", "nanrunbook.output.json"} & modules
+
+
+def test_every_format_of_the_command_line_has_its_renderer() -> None:
+    from nanrunbook.cli.app import CheckFormat, DocFormat
+    from nanrunbook.output.renderers import RENDERERS
+
+    assert set(RENDERERS) == {f.value for f in CheckFormat} == {f.value for f in DocFormat}
+    for name, renderer in RENDERERS.items():
+        assert renderer.name == name
 
 
 def test_kv_diff_loads_no_torch_or_rich() -> None:

@@ -102,9 +102,10 @@ def emit_rejection(
 
 def _renderer(fmt: str, brief: bool, *, checklist: bool = False) -> Renderer:
     from nanrunbook.output.renderers import RENDERERS
-    from nanrunbook.output.text import TextRenderer
 
     if brief or checklist:
+        from nanrunbook.output.text import TextRenderer
+
         assert fmt == "text", "--brief and --checklist are refused with other formats"
         return TextRenderer(brief=brief, checklist=checklist)
     return RENDERERS[fmt]

@@ -1,16 +1,65 @@
 """Output formats by name: ``text`` (rich), ``json``, ``kv``.
 
 Each format is a :class:`~nanrunbook.output.base.Renderer` in a module of its
-own; a command looks its renderer up here by the ``--format`` name.
+own; a command looks its renderer up here by the ``--format`` name. A format's
+module is imported when it is first looked up: ``check --format kv`` need not
+import the text renderer and rich (a few hundredths of a second of every run).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
 from nanrunbook.output.base import Renderer
-from nanrunbook.output.json import JsonRenderer
-from nanrunbook.output.kv import KvRenderer, kv_where
-from nanrunbook.output.text import TextRenderer
+
+if TYPE_CHECKING:
+    from nanrunbook.output.json import JsonRenderer
+    from nanrunbook.output.kv import KvRenderer, kv_where
+    from nanrunbook.output.text import TextRenderer
 
 __all__ = ["RENDERERS", "JsonRenderer", "KvRenderer", "Renderer", "TextRenderer", "kv_where"]
 
-RENDERERS: dict[str, Renderer] = {r.name: r for r in (TextRenderer(), JsonRenderer(), KvRenderer())}
+# format name -> (module, class) of its renderer
+_BY_NAME: dict[str, tuple[str, str]] = {
+    "text": ("nanrunbook.output.text", "TextRenderer"),
+    "json": ("nanrunbook.output.json", "JsonRenderer"),
+    "kv": ("nanrunbook.output.kv", "KvRenderer"),
+}
+# names this module re-exports, imported on first use
+_EXPORTED = {
+    "TextRenderer": "nanrunbook.output.text",
+    "JsonRenderer": "nanrunbook.output.json",
+    "KvRenderer": "nanrunbook.output.kv",
+    "kv_where": "nanrunbook.output.kv",
+}
+
+
+class _Renderers(Mapping[str, Renderer]):
+    """The renderers by format name, each made on its first lookup."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, Renderer] = {}
+
+    def __getitem__(self, name: str) -> Renderer:
+        made = self._made.get(name)
+        if made is None:
+            module, cls = _BY_NAME[name]
+            made = self._made[name] = getattr(importlib.import_module(module), cls)()
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_BY_NAME)
+
+    def __len__(self) -> int:
+        return len(_BY_NAME)
+
+
+RENDERERS: Mapping[str, Renderer] = _Renderers()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTED:
+        return getattr(importlib.import_module(_EXPORTED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

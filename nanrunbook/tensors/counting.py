@@ -63,7 +63,15 @@ import numpy.typing as npt
 from nanrunbook.dtypes import DTYPES, DType, FloatFormat
 from nanrunbook.records import Counts, Extremes
 
-__all__ = ["Counter", "Tally", "code_values", "extremes_bytes", "tally_bytes"]
+__all__ = [
+    "BATCHABLE",
+    "Counter",
+    "Tally",
+    "code_values",
+    "count_segments",
+    "extremes_bytes",
+    "tally_bytes",
+]
 
 _Array = npt.NDArray[Any]
 _Chunk = bytes | bytearray | memoryview
@@ -513,3 +521,159 @@ def code_values(dtype: str) -> tuple[float, ...]:
     if fmt is None or fmt.bits > 8:
         raise ValueError(f"{dtype} is not a floating format of at most 8 bits")
     return tuple(fmt.value(bits) for bits in range(1 << fmt.bits))
+
+
+# -- many small tensors at once -------------------------------------------------------
+
+
+# The dtypes :func:`count_segments` takes: every dtype whose values are whole bytes
+# each (not C64's pairs, nor the packed F6 and F4).
+BATCHABLE = frozenset(
+    name
+    for name, found in DTYPES.items()
+    if found.kind != "complex" and (found.format is None or found.format.bits % 8 == 0)
+)
+
+
+def count_segments(
+    dtype: str, data: _Chunk, sizes: list[int]
+) -> list[tuple[Tally, Extremes | None]]:
+    """The tally and extremes of each of many tensors of one dtype laid end to end in
+    ``data`` (``sizes``: each one's byte length, none zero), in a few numpy passes
+    over all of them rather than a :class:`Counter` each.
+
+    The same facts as one :class:`Counter` per tensor, bit for bit (a property test
+    holds the two together): a bundle may bind thousands of tensors of a few dozen
+    elements, where a counter's per-call costs would outweigh the counting.
+    ``dtype`` must be in :data:`BATCHABLE`.
+    """
+    found = DTYPES[dtype]
+    bits = _BITS[dtype]
+    if bits is None:  # integers and BOOL: every element finite, no extremes
+        per_byte = found.bits // 8
+        return [(Tally(n // per_byte, n // per_byte, 0, 0, 0, None), None) for n in sizes]
+    codes = np.frombuffer(data, dtype=bits.uint)
+    elements = np.asarray(sizes, dtype=np.int64) // codes.itemsize
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(elements[:-1], out=starts[1:])
+    segments = _Segments(codes, starts, bits)
+    return segments.results(elements.tolist())
+
+
+class _Segments:
+    """The per-tensor reductions of :func:`count_segments`: flags over every value,
+    then one ``reduceat`` per fact."""
+
+    def __init__(self, codes: _Array, starts: _Array, bits: _Bits) -> None:
+        self.starts = starts
+        self.bits = bits
+        fmt = bits.fmt
+        mags = (codes & bits.mask).astype(np.int64)
+        negative = (codes & bits.sign) != 0 if bits.sign else np.zeros(codes.size, dtype=bool)
+        first = fmt.first_nonfinite
+        if fmt.nan == "negative_zero":
+            finite = codes != bits.sign
+            self.nan = self._add(~finite)
+            self.posinf = self.neginf = np.zeros(starts.size, dtype=np.int64)
+        elif first is not None:
+            finite = mags < first
+            if fmt.infinity:
+                infinite = mags == first
+                self.posinf = self._add(infinite & ~negative)
+                self.neginf = self._add(infinite & negative)
+                self.nan = self._add(mags > first)
+            else:
+                self.nan = self._add(~finite)
+                self.posinf = self.neginf = np.zeros(starts.size, dtype=np.int64)
+        else:
+            finite = np.ones(codes.size, dtype=bool)
+            self.nan = self.posinf = self.neginf = np.zeros(starts.size, dtype=np.int64)
+        self.finite = self._add(finite)
+        positive = finite & ~negative
+        negative &= finite
+        self.pos_hi = self._highest(mags, positive)
+        self.neg_hi = self._highest(mags, negative)
+        self.pos_lo = self._lowest(mags, positive)
+        self.neg_lo = self._lowest(mags, negative)
+        if fmt.zero:
+            zero = finite & (mags == 0)
+            self.zeros = self._add(zero)
+            self.subnormals = self._add(finite & (mags < fmt.min_normal_code)) - self.zeros
+            self.nonzero_lo = self._lowest(mags, finite & ~zero)
+        else:  # e8m0fnu: code 0 is 2**-127, neither zero nor subnormal
+            self.zeros = self.subnormals = np.zeros(starts.size, dtype=np.int64)
+            self.nonzero_lo = self._lowest(mags, finite)
+
+    def _add(self, flags: _Array) -> _Array:
+        return np.add.reduceat(flags, self.starts, dtype=np.int64)
+
+    def _highest(self, mags: _Array, where: _Array) -> _Array:
+        return np.maximum.reduceat(np.where(where, mags, -1), self.starts)
+
+    def _lowest(self, mags: _Array, where: _Array) -> _Array:
+        return np.minimum.reduceat(np.where(where, mags, _NO_CODE), self.starts)
+
+    def _decoded(self, codes: _Array) -> _Array:
+        """Exact float64 magnitudes of codes (any value for the no-code markers)."""
+        fmt = self.bits.fmt
+        codes = np.where((codes < 0) | (codes == _NO_CODE), 0, codes)
+        shift, low = fmt.mantissa_bits, (1 << fmt.mantissa_bits) - 1
+        scale = -fmt.bias - fmt.mantissa_bits
+        exponent = codes >> shift
+        subnormal = (exponent == 0) & fmt.zero
+        mantissa = np.where(subnormal, codes & low, (codes & low) + (1 << shift))
+        magnitudes: _Array = np.ldexp(
+            mantissa.astype(np.float64), np.where(subnormal, 1, exponent) + scale
+        )
+        return magnitudes
+
+    def results(self, elements: list[int]) -> list[tuple[Tally, Extremes | None]]:
+        has_pos, has_neg = self.pos_hi >= 0, self.neg_hi >= 0
+        # The signed minimum and maximum, as Counter's _Span.extremes takes them.
+        low = np.where(has_neg, -self._decoded(self.neg_hi), self._decoded(self.pos_lo))
+        high = np.where(has_pos, self._decoded(self.pos_hi), -self._decoded(self.neg_lo))
+        nonzero = self._decoded(self.nonzero_lo)
+        columns = zip(
+            elements,
+            self.finite.tolist(),
+            self.nan.tolist(),
+            self.posinf.tolist(),
+            self.neginf.tolist(),
+            (has_pos | has_neg).tolist(),
+            low.tolist(),
+            high.tolist(),
+            (self.nonzero_lo != _NO_CODE).tolist(),
+            nonzero.tolist(),
+            self.zeros.tolist(),
+            self.subnormals.tolist(),
+            strict=True,
+        )
+        out: list[tuple[Tally, Extremes | None]] = []
+        for (
+            count,
+            finite,
+            nan,
+            posinf,
+            neginf,
+            any_value,
+            lo,
+            hi,
+            any_nonzero,
+            nz,
+            zeros,
+            sub,
+        ) in columns:
+            extremes = Extremes(
+                finite,
+                lo if any_value else None,
+                hi if any_value else None,
+                nz if any_nonzero else None,
+                zeros,
+                sub,
+            )
+            max_abs = max(abs(lo), abs(hi)) if any_value else None
+            out.append((Tally(count, finite, nan, posinf, neginf, max_abs), extremes))
+        return out
+
+
+_NO_CODE = np.iinfo(np.int64).max  # above every finite code: "no such value"

@@ -70,7 +70,13 @@ class _Bound:
     """A complete-stage entry and where the manifest declares it."""
 
     entry: TensorEntry
-    path: str  # JSON path of the entry
+    stage_index: int
+    tensor_index: int
+
+    @property
+    def path(self) -> str:
+        """The entry's JSON path: spelled only for a violation, not for every entry."""
+        return f"$.stages[{self.stage_index}].tensors[{self.tensor_index}]"
 
 
 def verify_bundle(
@@ -113,9 +119,7 @@ def _bound_by_file(manifest: Manifest) -> dict[str, list[_Bound]]:
             continue
         for t_index, entry in enumerate(stage.tensors):
             assert entry.file is not None
-            by_file.setdefault(entry.file, []).append(
-                _Bound(entry, f"$.stages[{s_index}].tensors[{t_index}]")
-            )
+            by_file.setdefault(entry.file, []).append(_Bound(entry, s_index, t_index))
     return by_file
 
 
@@ -307,17 +311,18 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
     if stage.resolution == "summary":
         tensors = tuple(TensorFinding(entry, None, None) for entry in stage.tensors)
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tensors)
-    findings: list[TensorFinding] = []
-    for entry in stage.tensors:
-        scan = scans.get(entry.name)
-        if scan is None:  # not read: a file-level violation is already reported
-            findings.append(TensorFinding(entry, None, None))
-            continue
-        findings.append(TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes))
-    if any(entry.name not in scans for entry in stage.tensors):
-        return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tuple(findings))
-    total = combine(scans[entry.name].tally for entry in stage.tensors)
-    return StageFinding(stage, total.counts, "recounted", total.max_abs, tuple(findings))
+    read = [scans.get(entry.name) for entry in stage.tensors]
+    findings = tuple(
+        # None: not read, and a file-level violation is already reported
+        TensorFinding(entry, None, None)
+        if scan is None
+        else TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes)
+        for entry, scan in zip(stage.tensors, read, strict=True)
+    )
+    if None in read:
+        return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, findings)
+    total = combine(scan.tally for scan in read if scan is not None)
+    return StageFinding(stage, total.counts, "recounted", total.max_abs, findings)
 
 
 def _compare_recount(declared: Counts | None, finding: StageFinding, path: str) -> list[Violation]:

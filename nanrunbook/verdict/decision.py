@@ -66,15 +66,17 @@ def _source_violations(stage: StageFinding, where: str) -> list[Violation]:
         not isinstance(t.counts, Counts) for t in tensors
     ):
         return [_inconsistent(f"{where}.tensors", "a recounted stage has counts for every tensor")]
-    total = [0, 0, 0, 0, 0]
-    for tensor in tensors:
-        assert tensor.counts is not None
-        c = tensor.counts
-        for i, value in enumerate((c.elements, c.finite, c.nan, c.posinf, c.neginf)):
-            total[i] += value
-    if tuple(total) != (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf):
+    rows = [(c.elements, c.finite, c.nan, c.posinf, c.neginf) for c in _counts_of(tensors)]
+    total = tuple(map(sum, zip(*rows, strict=True))) if rows else (0, 0, 0, 0, 0)
+    if total != (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf):
         return [_inconsistent(f"{where}.counts", "stage counts are not the sum of its tensors'")]
     return []
+
+
+def _counts_of(tensors: Sequence[TensorFinding]) -> list[Counts]:
+    found = [t.counts for t in tensors]
+    assert None not in found
+    return found  # type: ignore[return-value]
 
 
 def decide(stages: Sequence[StageFinding], scaler: Scaler | None = None) -> Decision:

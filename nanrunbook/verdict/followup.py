@@ -33,7 +33,7 @@ from nanrunbook.verdict.evidence import (
     shape_text,
     stages_before,
 )
-from nanrunbook.verdict.precision import headroom
+from nanrunbook.verdict.precision import closest_to_limit
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import STAGE_STEPS, Section, Step, find_step
 
@@ -48,11 +48,9 @@ _WARNINGS_NAMED = 3  # warnings a step names before "and N more"
 
 @dataclass(frozen=True, slots=True)
 class _Evidence:
-    """One report's facts, as the checklist refers to them; the headroom facts are
-    worked out once (nanrunbook.verdict.precision)."""
+    """One report's facts, as the checklist refers to them."""
 
     report: Report
-    rooms: tuple[TensorHeadroom, ...]
 
     @property
     def manifest(self) -> Manifest:
@@ -100,7 +98,7 @@ def _step(step_id: str, detail: str, fact: str) -> Step:
 def checklist_for(report: Report) -> tuple[Section, ...]:
     """The sections this verdict calls for, in the order they are worked, naming
     the report's evidence and warnings."""
-    evidence = _Evidence(report, headroom(report))
+    evidence = _Evidence(report)
     earliest = evidence.earliest
     if earliest is None:
         return (_bounded_diagnostics(evidence),)
@@ -163,17 +161,7 @@ def _peak(evidence: _Evidence, indices: range) -> Peak | None:
     """Among these stages' recounted floating tensors, the one closest to a limit:
     its own dtype's largest finite value or, in a stage computed in the compute
     dtype, that dtype's."""
-    names = {evidence.stages[i].stage for i in indices}
-    best: Peak | None = None
-    for room in evidence.rooms:
-        if room.stage not in names:
-            continue
-        for limit in (room.own, room.compute):
-            if limit is None or limit.bits is None:
-                continue
-            if best is None or limit.bits < (best[1].bits or 0.0):
-                best = (room, limit)
-    return best
+    return closest_to_limit(evidence.report, {evidence.stages[i].stage for i in indices})
 
 
 def _bits(bits: float) -> str:

@@ -26,7 +26,7 @@ Warnings and their thresholds (:class:`WarningThresholds`):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,12 +38,14 @@ from nanrunbook.records import (
     Manifest,
     Scaler,
     StageFinding,
+    TensorFinding,
     TensorHeadroom,
 )
 
 __all__ = [
     "COMPUTE_STAGES",
     "WarningThresholds",
+    "closest_to_limit",
     "early_warnings",
     "headroom",
 ]
@@ -92,53 +94,139 @@ class WarningThresholds:
             raise ValueError(f"underflow_dtypes: not floating dtypes: {', '.join(unknown)}")
 
 
-def headroom(report: Report) -> tuple[TensorHeadroom, ...]:
-    """Every recounted floating tensor's headroom, in stage order, then capture order."""
-    compute = DTYPES.get(report.manifest.binding.compute_dtype)
-    if compute is not None and not compute.floating:
-        compute = None
-    found: list[TensorHeadroom] = []
-    for stage in report.stages:
-        for index, tensor in enumerate(stage.tensors):
-            extremes, counts = tensor.extremes, tensor.counts
-            if extremes is None or counts is None:
-                continue
-            dtype = DTYPES[tensor.entry.dtype]
-            against = compute if stage.stage in COMPUTE_STAGES else None
-            found.append(
-                TensorHeadroom(
-                    stage=stage.stage,
-                    index=index,
-                    tensor=tensor.entry.name,
-                    dtype=dtype.name,
-                    counts=counts,
-                    extremes=extremes,
-                    own=_headroom(extremes, counts.finite, dtype),
-                    compute=None
-                    if against is None
-                    else _headroom(extremes, counts.finite, against),
-                )
-            )
-    return tuple(found)
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """One floating dtype's limits, worked out once: a bundle may hold thousands of
+    tensors of the same few dtypes."""
+
+    dtype: str
+    max_finite: float
+    log2_max: float
+    exp_limit: float
+    square_limit: float
+    reciprocal_limit: float
 
 
-def _headroom(extremes: Extremes, finite: int, dtype: DType) -> Headroom:
+def _limits_of(dtype: DType) -> _Limits:
     top = dtype.max_finite
     assert top is not None
+    return _Limits(dtype.name, top, math.log2(top), math.log(top), math.sqrt(top), 1 / top)
+
+
+_LIMITS: dict[str, _Limits] = {d.name: _limits_of(d) for d in DTYPES.values() if d.floating}
+
+
+def _compute_limits(report: Report) -> _Limits | None:
+    return _LIMITS.get(report.manifest.binding.compute_dtype)
+
+
+def _measured(report: Report) -> Iterator[tuple[StageFinding, int, TensorFinding, Extremes]]:
+    """Every recounted floating tensor with its extremes, in stage then capture order."""
+    for stage in report.stages:
+        for index, tensor in enumerate(stage.tensors):
+            if tensor.extremes is not None and tensor.counts is not None:
+                yield stage, index, tensor, tensor.extremes
+
+
+def headroom(report: Report) -> tuple[TensorHeadroom, ...]:
+    """Every recounted floating tensor's headroom, in stage order, then capture order."""
+    compute = _compute_limits(report)
+    return tuple(
+        _tensor_headroom(stage, index, tensor, compute)
+        for stage, index, tensor, _ in _measured(report)
+    )
+
+
+def closest_to_limit(
+    report: Report, stages: Collection[str]
+) -> tuple[TensorHeadroom, Headroom] | None:
+    """Among the recounted floating tensors of ``stages``, the one with the least
+    headroom to a limit (its own dtype's largest finite value or, in a stage
+    computed in the compute dtype, that dtype's), and that limit; the first in
+    stage and capture order on a tie. None when no such tensor has a non-zero value.
+    """
+    compute = _compute_limits(report)
+    best: tuple[float, StageFinding, int, bool] | None = None
+    for stage in report.stages:
+        if stage.stage not in stages:
+            continue
+        against = compute if stage.stage in COMPUTE_STAGES else None
+        # Against one limit, the least headroom is the largest magnitude: only the
+        # first largest of each dtype (and of the stage, for the compute dtype) can win.
+        for index, is_compute in _largest(stage, against is not None):
+            tensor = stage.tensors[index]
+            limit = against if is_compute else _LIMITS[tensor.entry.dtype]
+            assert limit is not None and tensor.extremes is not None
+            bits = limit.log2_max - math.log2(tensor.extremes.max_abs or 0.0)
+            if best is None or bits < best[0]:  # strictly: the first one wins a tie
+                best = (bits, stage, index, is_compute)
+    if best is None:
+        return None
+    _, stage, index, is_compute = best
+    room = _tensor_headroom(stage, index, stage.tensors[index], compute)
+    closest = room.compute if is_compute else room.own
+    assert closest is not None
+    return room, closest
+
+
+def _largest(stage: StageFinding, with_compute: bool) -> list[tuple[int, bool]]:
+    """The index of the first tensor of the largest non-zero magnitude of each dtype,
+    and of the whole stage when ``with_compute``; in capture order, own limit first."""
+    by_dtype: dict[str, tuple[float, int]] = {}
+    overall: tuple[float, int] | None = None
+    for index, tensor in enumerate(stage.tensors):
+        extremes = tensor.extremes
+        if extremes is None or tensor.counts is None:
+            continue
+        max_abs = extremes.max_abs
+        if not max_abs:
+            continue
+        dtype = tensor.entry.dtype
+        held = by_dtype.get(dtype)
+        if held is None or max_abs > held[0]:
+            by_dtype[dtype] = (max_abs, index)
+        if overall is None or max_abs > overall[0]:
+            overall = (max_abs, index)
+    found = [(index, False) for _, index in by_dtype.values()]
+    if with_compute and overall is not None:
+        found.append((overall[1], True))
+    return sorted(found)
+
+
+def _tensor_headroom(
+    stage: StageFinding, index: int, tensor: TensorFinding, compute: _Limits | None
+) -> TensorHeadroom:
+    extremes, counts = tensor.extremes, tensor.counts
+    assert extremes is not None and counts is not None
+    against = compute if stage.stage in COMPUTE_STAGES else None
+    return TensorHeadroom(
+        stage=stage.stage,
+        index=index,
+        tensor=tensor.entry.name,
+        dtype=tensor.entry.dtype,
+        counts=counts,
+        extremes=extremes,
+        own=_headroom(extremes, counts.finite, _LIMITS[tensor.entry.dtype]),
+        compute=None if against is None else _headroom(extremes, counts.finite, against),
+    )
+
+
+def _headroom(extremes: Extremes, finite: int, limits: _Limits) -> Headroom:
+    top = limits.max_finite
     max_abs = extremes.max_abs
     smallest = extremes.min_nonzero_abs
     # A difference of logs: the ratio itself overflows for subnormal magnitudes.
-    bits = math.log2(top) - math.log2(max_abs) if max_abs else None
+    bits = limits.log2_max - math.log2(max_abs) if max_abs else None
     return Headroom(
-        dtype=dtype.name,
+        dtype=limits.dtype,
         max_finite=top,
         bits=bits,
-        exp_limit=math.log(top),
-        square_limit=math.sqrt(top),
-        reciprocal_limit=1 / top,
-        exp_overflows=extremes.max is not None and extremes.max > math.log(top),
-        square_overflows=max_abs is not None and max_abs > math.sqrt(top),
-        reciprocal_overflows=smallest is not None and smallest < 1 / top,
+        exp_limit=limits.exp_limit,
+        square_limit=limits.square_limit,
+        reciprocal_limit=limits.reciprocal_limit,
+        exp_overflows=extremes.max is not None and extremes.max > limits.exp_limit,
+        square_overflows=max_abs is not None and max_abs > limits.square_limit,
+        reciprocal_overflows=smallest is not None and smallest < limits.reciprocal_limit,
         sum_can_overflow=max_abs is not None and finite * max_abs > top,
     )
 
@@ -150,13 +238,25 @@ def early_warnings(
     upstream stages first, then capture order."""
     limits = thresholds or WarningThresholds()
     scale = report.scaler.scale if report.scaler.mode != "none" else None
+    compute = _compute_limits(report)
+    # A value at or above max_finite / 2**near_max_bits may warn (_near compares the
+    # same product); below it, in every limit that applies, none can: no headroom
+    # record is built for such a tensor, the common case in a big bundle.
+    near = math.pow(2.0, limits.near_max_bits)
     found: list[EarlyWarning] = []
-    for tensor in headroom(report):
-        for code, message in (
-            *_range_warnings(tensor, limits),
-            *_underflow_warnings(tensor, limits, scale),
+    for stage, index, tensor, extremes in _measured(report):
+        max_abs = extremes.max_abs
+        against = compute if stage.stage in COMPUTE_STAGES else None
+        warned: list[tuple[str, str]] = []
+        if max_abs and (
+            max_abs * near >= _LIMITS[tensor.entry.dtype].max_finite
+            or (against is not None and max_abs * near >= against.max_finite)
         ):
-            found.append(EarlyWarning(code, tensor.stage, tensor.tensor, tensor.index, message))
+            warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
+        if stage.stage == _GRADIENT_STAGE:
+            warned += _underflow_warnings(tensor, limits, scale)
+        for code, message in warned:
+            found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
     return tuple(found)
 
 
@@ -209,21 +309,23 @@ def _below(max_abs: float, room: Headroom, whose: str) -> str:
 
 
 def _underflow_warnings(
-    tensor: TensorHeadroom, limits: WarningThresholds, scale: float | None
+    tensor: TensorFinding, limits: WarningThresholds, scale: float | None
 ) -> list[tuple[str, str]]:
-    extremes = tensor.extremes
+    """A gradient's: the caller asks only of the backward stage's tensors."""
+    extremes, counts, dtype = tensor.extremes, tensor.counts, tensor.entry.dtype
+    assert extremes is not None and counts is not None
     # A gradient with NaN or infinite elements is a stronger signal than its zeros.
-    if tensor.stage != _GRADIENT_STAGE or not extremes.values or tensor.counts.nonfinite:
+    if not extremes.values or counts.nonfinite:
         return []
     if scale is not None and extremes.zeros == extremes.values:
         message = f"all {extremes.values} finite values are zero under loss scale {_num(scale)}"
         return [("GRADIENT_UNDERFLOW", message)]
     small = extremes.zeros + extremes.subnormals
     share = small / extremes.values
-    if tensor.dtype in limits.underflow_dtypes and share > limits.underflow_share:
+    if dtype in limits.underflow_dtypes and share > limits.underflow_share:
         message = (
             f"{extremes.zeros} zero and {extremes.subnormals} subnormal of {extremes.values}"
-            f" finite {tensor.dtype} values ({share:.1%}; threshold {limits.underflow_share:.1%})"
+            f" finite {dtype} values ({share:.1%}; threshold {limits.underflow_share:.1%})"
         )
         return [("GRADIENT_UNDERFLOW", message)]
     return []
