@@ -199,18 +199,25 @@ def _header_bytes(fd: int, relpath: str, header_len: int) -> bytes:
     return raw
 
 
+# The header rules but the depth: a tree :func:`_plain_header` takes is 3 deep.
+_PLAIN_HEADER_JSON = Dialect(
+    codes={k: v for k, v in HEADER_JSON.codes.items() if k != strictjson.TOO_DEEP},
+    max_integer=HEADER_JSON.max_integer,
+)
+
+
 def _plain_header(raw: bytes, data_start: int) -> tuple[dict[str, Any], _Plain] | None:
     """The header as a writer writes it, read by orjson: its tree and its entries
     (:func:`_plain_entries`), or None, and :func:`_parse_header` reads it.
 
     :func:`~nanrunbook.strictjson.parse_floatless` asks that the tree hold no
     float; here every value is checked to be an entry of strings and integers,
-    or a metadata string, so none can be.
+    or a metadata string, so none can be (nor can the tree nest deeper than 3).
     """
     body = raw.rstrip(b" ")
     if not (body.startswith(b"{") and body.endswith(b"}")):
         return None
-    root = strictjson.parse_floatless(body, HEADER_JSON)
+    root = strictjson.parse_floatless(body, _PLAIN_HEADER_JSON)
     if type(root) is not dict:
         return None
     metadata = root.get(_METADATA, {})
