@@ -269,7 +269,8 @@ def _check_entries(
 ) -> dict[str, HeaderEntry]:
     """Every entry checked, and its range in the tiling; the well-formed ones returned.
     ``plain``: the root's :func:`_plain_entries`, when they were read already."""
-    plain = plain or _plain_entries(root, data_start)
+    if plain is None:
+        plain = _plain_entries(root, data_start)
     if plain is not None:
         if _METADATA in root:
             _check_metadata(root[_METADATA], add)
