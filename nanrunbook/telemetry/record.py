@@ -1,4 +1,6 @@
-"""One telemetry line: the frozen record, its JSON document, and the strict parser.
+"""One telemetry line: the frozen record, its JSON document, the strict parser,
+and the fast path's decoder for the uneventful line (watch counts most lines
+with it, building no record).
 
 The line format is ``nanrunbook-telemetry/1``: one JSON object per line, appended
 once per training step (and per rank), with these fields in this order::

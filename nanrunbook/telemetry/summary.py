@@ -410,7 +410,7 @@ class Summariser:
         self.records += 1
         if line.run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
             self._run_ids[line.run_id] = None
-        if line.world_size > self._world_size:  # type: ignore[operator]  # set with rank 0's first
+        if line.world_size > self._world_size:  # type: ignore[operator]  # set by add(), first
             self._world_size = line.world_size
         if state.step is not None and step < state.step:
             self._regressions += 1
@@ -442,7 +442,7 @@ class Summariser:
         for run_id in dict.fromkeys(map(_RUN_ID, lines)):
             if run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
                 self._run_ids[run_id] = None
-        if run.world > self._world_size:  # type: ignore[operator]  # set with the rank's first
+        if run.world > self._world_size:  # type: ignore[operator]  # set by add(), first
             self._world_size = run.world
         scales, bits = run.scales, run.bits
         if scales[-1] is not None:  # then all are (_plain_run), and one was before
