@@ -234,8 +234,12 @@ def test_text_report_plain_when_not_a_terminal() -> None:
     assert "HOLD" in result.stdout
     assert "grad/layers.0.weight" in result.stdout
     assert "evidence of overflow, not recovery" in result.stdout
-    # The report ends with the replay steps, the earliest stage's specifics first.
-    tail = result.stdout[result.stdout.index("Checklist (whole runbook: nanrunbook checklist)") :]
+    # The report ends with the next steps, the earliest stage's specifics first; in
+    # full with --checklist.
+    tail = result.stdout[result.stdout.index("Next steps (in full: --checklist; ") :]
+    assert tail.index("Inspect the gradient path") < tail.index("Reproduce without an update")
+    full = run("check", "--checklist", str(HOLD_FIXTURE)).stdout
+    tail = full[full.index("Checklist (whole runbook: nanrunbook checklist)") :]
     assert tail.index("Backward stage specifics") < tail.index("Reproduce without an update")
 
 

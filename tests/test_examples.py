@@ -154,16 +154,28 @@ def test_fp16_example_text_report_names_the_input_beyond_f16(ran: Ran) -> None:
     done, bundle = ran("fp16_overflow_gradscaler.py")
     assert done.returncode == 1, done.stdout + done.stderr
     env = {**os.environ, "COLUMNS": "80"}
-    text = subprocess.run(
-        [sys.executable, "-m", "nanrunbook", "check", str(bundle)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    ).stdout
+
+    def check(*options: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "nanrunbook", "check", *options, str(bundle)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        ).stdout
+
+    text = check()
     assert max(len(line) for line in text.splitlines()) <= 80
+    assert len(text.splitlines()) <= 40
     flat = " ".join(text.split())
     assert "Warnings (1, upstream first) BEYOND_COMPUTE_DTYPE input batch/x: max |value|" in flat
+    assert re.search(
+        r"Inspect upstream finite extremes: batch/x \(input, F32\) reached [\d.]+, 0\.1 bits "
+        r"above F16's max \(compute dtype\), one stage before",
+        flat,
+    ), flat
+    # In full with --checklist.
+    flat = " ".join(check("--checklist").split())
     assert re.search(
         r"Inspect upstream finite extremes: batch/x \(input, F32\) reached [\d.]+, 0\.1 bits "
         r"above F16's max \(the compute dtype\), one stage before the first non-finite tensor\. "

@@ -19,7 +19,7 @@ from nanrunbook import EvidenceRejected, Report, Violation, check_bundle, report
 from nanrunbook.capture import BundleWriter
 from nanrunbook.contract import contract_content_id
 from nanrunbook.manifest.parse import RECOVERY_PARTS
-from nanrunbook.output.text import TextRenderer
+from nanrunbook.output.text import SCREEN_LINES, TextRenderer
 from nanrunbook.records import Counts
 from nanrunbook.verdict.runbook import SECTIONS, STAGE_STEPS, Section
 
@@ -36,9 +36,9 @@ def run(*args: str, columns: str = "80") -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
-def render(report: Report, *, width: int = 80, brief: bool = False) -> str:
+def render(report: Report, *, width: int = 80, brief: bool = False, checklist: bool = False) -> str:
     out = io.StringIO()
-    TextRenderer(width=width, brief=brief).report(report, out)
+    TextRenderer(width=width, brief=brief, checklist=checklist).report(report, out)
     return out.getvalue()
 
 
@@ -76,10 +76,15 @@ def test_every_fixture_fits_80_columns_through_the_cli(name: str) -> None:
 
 @pytest.mark.parametrize("columns", ["100", "132"])
 def test_the_report_wraps_to_a_wider_terminal(columns: str) -> None:
-    narrow = run("check", str(FIXTURES / "hold-backward-dynamic-skip")).stdout
-    wide = run("check", str(FIXTURES / "hold-backward-dynamic-skip"), columns=columns).stdout
+    bundle = str(FIXTURES / "hold-backward-dynamic-skip")
+    wide = run("check", bundle, columns=columns).stdout
     assert widest(wide) <= int(columns)
-    assert widest(wide) > 80  # a wider terminal gets longer lines, so fewer of them
+    assert widest(wide) > 80  # a wider terminal gets longer lines
+    assert len(wide.splitlines()) <= SCREEN_LINES
+    # Without the screen's budget (--checklist), longer lines are fewer of them.
+    narrow = run("check", "--checklist", bundle).stdout
+    wide = run("check", "--checklist", bundle, columns=columns).stdout
+    assert widest(wide) <= int(columns) and widest(wide) > 80
     assert len(wide.splitlines()) < len(narrow.splitlines())
 
 
@@ -163,12 +168,12 @@ def test_stage_table_has_a_dtype_column() -> None:
     assert rows["input"] == ["input", "F32,I64", "72", "0", "0", "0", "2"]
     assert rows["forward"][:6] == ["forward", "BF16", "160", "1", "1", "0"]
     assert rows["loss"] == ["loss", "NOT_RUN", "-", "-", "-", "-", "-"]
-    assert "  not run          loss, backward, optimizer: " in text
+    assert "  not run     loss, backward, optimizer: " in text
 
 
 def test_declared_counts_are_marked() -> None:
     text = render(check_bundle(FIXTURES / "hold-optimizer-summary"))
-    assert "  declared         optimizer: counts of a summary, not recounted" in text
+    assert "  declared    optimizer: counts of a summary, not recounted" in text
 
 
 # ---------------------------------------------------------------- the earliest stage
@@ -202,25 +207,29 @@ def _wide_stage_bundle(tmp_path: Path) -> Path:
 
 
 def test_earliest_stage_lists_its_tensors_first_nonfinite_first_capped(tmp_path: Path) -> None:
-    text = render(check_bundle(_wide_stage_bundle(tmp_path)))
-    section = text[text.index("Earliest non-finite stage: forward") : text.index("Checklist")]
-    names = re.findall(r"^  (act/block\.\d)\s", section, re.MULTILINE)
-    assert names == ["act/block.2", "act/block.5", "act/block.0", "act/block.1", "act/block.3"]
-    assert "  ... 3 more (all in --format json)" in section.splitlines()
-    rows = section.splitlines()
-    at = next(i for i, line in enumerate(rows) if line.startswith("  act/block.2 "))
-    assert rows[at].split() == ["act/block.2", "F32", "4", "1", "NaN", "of", "4", "elements"]
-    # Its extremes, exact from the data, on lines of their own under the counts.
-    assert rows[at + 1].index("finite") == rows[at].index("1 NaN")
-    assert " ".join(" ".join(rows[at + 1 : at + 3]).split()).startswith(
-        "finite 3..3; smallest non-zero |x| 3; 0 zeros, 0 subnormals"
-    )
-    assert "owner         modeling-oncall, telemetry" in section
+    report = check_bundle(_wide_stage_bundle(tmp_path))
+    # In full (--checklist) the cap is five tensors; on one screen, what fits.
+    for text, shown in ((render(report, checklist=True), 5), (render(report), None)):
+        section = text[text.index("Earliest non-finite stage: forward") : text.index("Warnings")]
+        names = re.findall(r"^  (act/block\.\d)\s", section, re.MULTILINE)
+        order = ["act/block.2", "act/block.5", "act/block.0", "act/block.1", "act/block.3"]
+        assert names == order[: shown or len(names)] and len(names) >= 1
+        assert f"  ... {8 - len(names)} more (all in --format json)" in section.splitlines()
+        rows = section.splitlines()
+        at = next(i for i, line in enumerate(rows) if line.startswith("  act/block.2 "))
+        assert rows[at].split() == ["act/block.2", "F32", "4", "1", "NaN", "of", "4", "elements"]
+        # Its extremes, exact from the data, on the line under the counts.
+        assert rows[at + 1] == "    finite 3..3; smallest non-zero |x| 3; 0 zeros, 0 subnormals"
+        assert section.startswith("Earliest non-finite stage: forward (telemetry ")
+        # The stage's owner is named once, by the replay authority step.
+        assert text.count("modeling-oncall") == 1
+        assert len(text.splitlines()) <= SCREEN_LINES or shown
+    assert "Choose replay authority: ml-oncall, with modeling-oncall (forward)" in render(report)
 
 
 def test_summary_stage_lists_tensors_without_counts() -> None:
     text = render(check_bundle(FIXTURES / "hold-optimizer-summary"))
-    section = text[text.index("Earliest non-finite stage") : text.index("Checklist")]
+    section = text[text.index("Earliest non-finite stage") : text.index("Next steps")]
     assert "  opt/layers.0.weight.exp_avg_sq  F32  16x8" in section.splitlines()
     assert "unknown (a summary stage has no per-tensor counts)" in text
 
@@ -230,7 +239,7 @@ def test_continue_shows_every_probe_and_no_earliest_stage() -> None:
     assert "none: every captured element is finite" in text
     assert "first non-finite tensor" not in text
     assert "Earliest non-finite stage" not in text
-    probes = text[text.index("Probes") : text.index("Checklist")]
+    probes = text[text.index("Probes") : text.index("Next steps")]
     assert "  backward   after scaler.unscale_(optimizer)" in probes.splitlines()
 
 
@@ -393,10 +402,17 @@ def test_checklist_headroom_in_bits(tmp_path: Path) -> None:
 
 def test_the_report_shows_the_checklist_it_carries() -> None:
     report = check_bundle(FIXTURES / "hold-loss")
-    flat = " ".join(render(report).split())
+    flat = " ".join(render(report, checklist=True).split())
     for number, step in enumerate((s for sec in report.checklist for s in sec.steps), 1):
         assert f"{number}. {step.title}: {' '.join(step.detail.split())}" in flat
     assert report_document(report)["checklist"][0]["id"] == "stage-loss"
+    # On one screen, each step is its title and the bundle's fact, in at most two lines.
+    text = render(report)
+    steps = text[text.index("Next steps") :].splitlines()[1:]
+    flat = " ".join(" ".join(steps).split())
+    for number, step in enumerate((s for sec in report.checklist for s in sec.steps), 1):
+        assert step.fact and f"{number}. {step.title}: {' '.join(step.fact.split())}" in flat
+    assert len(steps) <= 2 * number
 
 
 def test_checklist_command_alone_is_still_the_whole_runbook() -> None:
@@ -461,7 +477,7 @@ def test_warnings_get_their_own_section_upstream_first(tmp_path: Path) -> None:
     assert report.decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
     text = render(report)
     assert widest(text) <= 80
-    section = text[text.index("Warnings (3, upstream first)") : text.index("Checklist")]
+    section = text[text.index("Warnings (3, upstream first)") : text.index("Next steps")]
     starts = [line.split()[:3] for line in section.splitlines()[1:] if line.startswith("  ")]
     starts = [s for s in starts if s[0].isupper()]
     assert starts == [
@@ -490,10 +506,18 @@ def test_warnings_section_is_capped(tmp_path: Path) -> None:
                    probe_source="l")  # fmt: skip
     writer.observe("forward", saturated, owner=OWNER, probe_source="h")
     writer.not_run_rest(owner=OWNER, reason="stopped by hand")
-    text = render(check_bundle(writer.write(tmp_path / "b")))
+    report = check_bundle(writer.write(tmp_path / "b"))
+    text = render(report, checklist=True)
     section = text[text.index("Warnings (8, upstream first)") : text.index("Checklist")]
     assert section.count("AT_DTYPE_MAX") == 6
     assert "  ... 2 more (all in --format json)" in section.splitlines()
+    # On one screen, as many as fit, and how many more.
+    text = render(report)
+    assert len(text.splitlines()) <= SCREEN_LINES
+    section = text[text.index("Warnings (8, upstream first)") : text.index("Next steps")]
+    shown = section.count("AT_DTYPE_MAX")
+    assert 1 <= shown < 8
+    assert f"  ... {8 - shown} more (all in --format json)" in section.splitlines()
 
 
 def test_kv_appends_the_warnings_after_the_spec_lines(tmp_path: Path) -> None:
@@ -597,3 +621,161 @@ def test_hold_checklist_names_warnings_upstream_and_at_the_stage(tmp_path: Path)
     assert steps["inspect-upstream-extremes"].endswith(
         " Warnings upstream: NEAR_DTYPE_MAX at batch/x (input); AT_DTYPE_MAX at act/b (forward)."
     )
+
+
+# ---------------------------------------------------------------- one screen
+
+
+def _crowded_bundle(tmp_path: Path) -> Path:
+    """A HOLD at backward as crowded as a real one: fp16 autocast, a dynamic scale that
+    backed off and skipped the step, gradients stored scaled, 40 gradients of
+    transformer-length names (three non-finite), 12 saturated F16 activations, a batch
+    beyond F16 and mostly-zero gradients: 14 or more warnings."""
+    bound = binding()
+    bound["precision"] = {"id": "fp16", "param_dtype": "F32", "compute_dtype": "F16"}
+    bound["scaler"] = {
+        "id": "gradscaler", "mode": "dynamic", "scale": 65536, "growth_factor": 2.0,
+        "backoff_factor": 0.5, "found_inf": True, "step_skipped": True, "scale_after": 32768,
+    }  # fmt: skip
+    writer = BundleWriter(
+        run_id="run-2026-11-30-llm-pretrain-017",
+        step=120345,
+        incident_owner="ml-oncall",
+        binding=bound,
+        last_known_good={
+            "checkpoint_id": "ckpt-step-120000",
+            "step": 120000,
+            "verified_together": list(RECOVERY_PARTS),
+        },
+    )
+    batch = np.array([70354.1, 1.0, -2.0, 0.5], dtype="float32")
+    writer.observe("input", [("batch/input_embeds", batch, "p")], owner="data-oncall",
+                   probe_source="DataLoader batch before .to(device)")  # fmt: skip
+    acts = [
+        (f"act/model.layers.{i}.mlp.down_proj", np.array([65504.0, -3.0], dtype="float16"), "h")
+        for i in range(12)
+    ]
+    writer.observe("forward", acts, owner="modeling-oncall", probe_source="forward hooks")
+    loss = np.array(2.5, dtype="float32")
+    writer.observe("loss", [("loss", loss, "l")], owner=OWNER, probe_source="loss")
+    grads = []
+    for i in range(40):
+        value = np.array([0, 0, 0, 0, 0, 0, 0.5, 0.25], dtype="float16")
+        if i in (7, 19, 33):
+            value[0] = np.inf
+        grads.append((f"grad/model.layers.{i}.self_attn.q_proj.weight", value, "g"))
+    writer.observe("backward", grads, owner="training-oncall", gradients="scaled",
+                   probe_source="after scaler.scale(loss).backward(), before unscale_")  # fmt: skip
+    writer.not_run_rest(owner=OWNER, reason="GradScaler found inf and skipped optimizer.step()")
+    return writer.write(tmp_path / "crowded")
+
+
+def test_a_crowded_hold_still_fits_one_screen(tmp_path: Path) -> None:
+    report = check_bundle(_crowded_bundle(tmp_path))
+    assert report.decision.earliest_nonfinite_stage == "backward"
+    assert len(report.warnings) >= 14
+    text = render(report)
+    lines = text.splitlines()
+    assert len(lines) <= SCREEN_LINES, text
+    assert widest(text) <= 80
+    # The first non-finite tensor leads, the rest are counted; so are the warnings,
+    # the upstream one first.
+    tensors = text[text.index("Earliest non-finite stage: backward") : text.index("Warnings")]
+    assert tensors.splitlines()[2].startswith("  grad/model.layers.7.self_attn.q_proj.weight ")
+    shown = len(re.findall(r"^  grad/", tensors, re.MULTILINE))
+    assert f"  ... {40 - shown} more (all in --format json)" in tensors.splitlines()
+    warned = text[text.index(f"Warnings ({len(report.warnings)}, upstream first)") :]
+    warned = warned[: warned.index("Next steps")]
+    assert warned.splitlines()[1].startswith("  BEYOND_COMPUTE_DTYPE  input batch/input_embeds")
+    listed = len(re.findall(r"^  [A-Z_]+  ", warned, re.MULTILINE))
+    assert f"  ... {len(report.warnings) - listed} more (all in --format json)" in warned
+    # Every step of the checklist, one numbered entry each.
+    steps = [s for section in report.checklist for s in section.steps]
+    assert re.findall(r"^ *(\d+)\. ", text[text.index("Next steps") :], re.MULTILINE) == [
+        str(n) for n in range(1, len(steps) + 1)
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_fixture_fits_one_screen(name: str) -> None:
+    done = run("check", str(FIXTURES / name))
+    assert len(done.stdout.splitlines()) <= SCREEN_LINES, done.stdout
+    if name not in ACCEPTED:
+        return
+    # Each step of the next steps in at most two lines, naming the bundle's facts.
+    steps = done.stdout[done.stdout.index("Next steps") :].splitlines()[1:]
+    starts = [i for i, line in enumerate(steps) if re.match(r"^ *\d+\. ", line)]
+    assert all(b - a <= 2 for a, b in zip(starts, [*starts[1:], len(steps)], strict=True))
+    report = check_bundle(FIXTURES / name)
+    assert "hold the update" not in done.stdout.lower() or report.decision.decision == "HOLD"
+    first = report.decision.first_nonfinite_tensor
+    if first is not None:
+        assert done.stdout.count(f"  first non-finite tensor    {first}\n") == 1
+        assert first in "".join(steps)
+
+
+def test_a_long_step_is_cut_at_two_lines(tmp_path: Path) -> None:
+    """A tensor name longer than two lines cannot push the next steps off the screen."""
+    writer = BundleWriter(
+        run_id="run-long",
+        step=2,
+        incident_owner="ml-oncall",
+        binding=binding(),
+        last_known_good={
+            "checkpoint_id": "ckpt-1",
+            "step": 1,
+            "verified_together": list(RECOVERY_PARTS),
+        },
+    )
+    name = "batch/" + "very_long_feature_name." * 8
+    writer.observe("input", [(name, np.array([np.nan], "float32"), "p")], owner=OWNER,
+                   probe_source="loader")  # fmt: skip
+    writer.not_run_rest(owner=OWNER, reason="aborted")
+    text = render(check_bundle(writer.write(tmp_path / "b")))
+    steps = text[text.index("Next steps") :].splitlines()[1:]
+    assert steps[0] == " 1. Validate the batch against the data contract:"
+    assert steps[1].startswith("    batch/very_long_feature_name.") and steps[1].endswith("...")
+    assert steps[2].startswith(" 2. Reload the same samples: ")
+    assert widest(text) <= 80
+
+
+def test_each_fact_once_on_one_screen() -> None:
+    """The recovery point, the stage's owner and the loss-scale verdict are each named
+    once: the next steps name what the notes above them no longer repeat."""
+    text = render(check_bundle(FIXTURES / "hold-backward-dynamic-skip"))
+    assert text.count("ckpt-step-1800") == 1
+    assert text.count("training-oncall") == 1
+    assert text.count("tel-1842-backward") == 1
+    assert text.count("evidence of overflow, not recovery") == 1
+    assert text.count("after scaler.scale(loss).backward(), before unscale_") == 1
+    assert "  contract                   training-incident-v1 sha256:5df540288221...\n" in text
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        (["--format", "kv"], "--format json holds the whole checklist"),
+        (["--format", "json"], "--format json holds the whole checklist"),
+        (["--brief"], "--brief shortens the report"),
+        (["hold-input"], "several paths are one line each"),
+    ],
+)
+def test_checklist_option_is_for_one_text_report(options: list[str], reason: str) -> None:
+    paths = [str(FIXTURES / o) if o == "hold-input" else o for o in options]
+    done = run("check", "--checklist", *paths, str(FIXTURES / "hold-loss"))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert "'--checklist'" in done.stderr and reason in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_checklist_option_prints_every_step_in_full() -> None:
+    report = check_bundle(FIXTURES / "hold-input")
+    done = run("check", "--checklist", str(FIXTURES / "hold-input"))
+    assert done.returncode == 1
+    assert widest(done.stdout) <= 80
+    flat = " ".join(done.stdout.split())
+    for section in report.checklist:
+        assert f" {section.title} " in flat
+    assert "Input stage specifics" in done.stdout and "Next steps" not in done.stdout
+    assert "nothing upstream" in flat and "Inspect upstream" not in flat

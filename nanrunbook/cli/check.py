@@ -61,6 +61,14 @@ Brief = Annotated[
         "action, warnings, bundle), never wrapped.",
     ),
 ]
+FullChecklist = Annotated[
+    bool,
+    typer.Option(
+        "--checklist",
+        help="Text format only: every step of the checklist in full, section by section, "
+        "instead of one line per step (the report then is longer than one screen).",
+    ),
+]
 FailOnWarnings = Annotated[
     bool,
     typer.Option(
@@ -111,6 +119,21 @@ def thresholds_from(
         raise typer.BadParameter(str(error), param_hint=f"'--{field.replace('_', '-')}'") from None
 
 
+def _check_checklist(checklist: bool, format: CheckFormat, *, brief: bool, bundles: int) -> None:
+    """--checklist lengthens one text report: with anything else it is a usage error."""
+    if not checklist:
+        return
+    if format is not CheckFormat.text:
+        reason = "it lengthens the text report; --format json holds the whole checklist already"
+    elif brief:
+        reason = "--brief shortens the report; --checklist lengthens it"
+    elif bundles > 1:
+        reason = "several paths are one line each; give one BUNDLE"
+    else:
+        return
+    raise typer.BadParameter(reason, param_hint="'--checklist'")
+
+
 @command("Judge an evidence bundle: HOLD (exit 1), CONTINUE (exit 0) or rejected (exit 3).")
 @guarded
 def check(
@@ -119,6 +142,7 @@ def check(
         CheckFormat, typer.Option("--format", "-f", help="Output format.")
     ] = CheckFormat.text,
     brief: Brief = False,
+    checklist: FullChecklist = False,
     fail_on_warnings: FailOnWarnings = False,
     near_max_bits: NearMaxBits = DEFAULT_THRESHOLDS.near_max_bits,
     underflow_share: UnderflowShare = DEFAULT_THRESHOLDS.underflow_share,
@@ -142,6 +166,8 @@ def check(
 
     Example: nanrunbook check --brief fixtures/hold-backward-dynamic-skip
 
+    Example: nanrunbook check --checklist fixtures/hold-backward-dynamic-skip
+
     Example: nanrunbook check --fail-on-warnings fixtures/continue-all-finite
     """
     from nanrunbook.cli.judge import judge, judge_many
@@ -151,6 +177,7 @@ def check(
             f"--brief shortens the text format; --format {format.value} is already for scripts",
             param_hint="'--brief'",
         )
+    _check_checklist(checklist, format, brief=brief, bundles=len(bundles))
     thresholds = thresholds_from(near_max_bits, underflow_share, underflow_dtypes)
     caps = caps_from(max_stage_elements, max_bundle_elements, max_stage_tensors)
     progress = format is CheckFormat.text  # a bar on stderr at a terminal, text only
@@ -162,6 +189,7 @@ def check(
             caps=caps,
             progress=progress,
             brief=brief,
+            checklist=checklist,
             thresholds=thresholds,
             fail_on_warnings=fail_on_warnings,
         )

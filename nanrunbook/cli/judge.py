@@ -32,13 +32,15 @@ def judge(
     caps: Caps | None = None,
     progress: bool = False,
     brief: bool = False,
+    checklist: bool = False,
     thresholds: WarningThresholds | None = None,
     fail_on_warnings: bool = False,
 ) -> int:
     """Check ``bundle`` (a bundle, or an incident set of rank bundles), write the
     verdict in ``fmt`` to ``out``, and return the exit code. ``progress`` shows the
     read's bar on stderr at a terminal; it is erased before anything is written to
-    ``out``. ``brief`` (text only) writes at most six lines. ``fail_on_warnings``
+    ``out``. ``brief`` (text only) writes at most six lines; ``checklist`` (text only)
+    every checklist step in full. ``fail_on_warnings``
     turns a CONTINUE with warnings into exit 5."""
     from nanrunbook.check_set import check_path
     from nanrunbook.output.progress import check_progress
@@ -46,7 +48,7 @@ def judge(
 
     with check_progress(progress) as bar:
         outcome = check_path(bundle, caps=caps, progress=bar, thresholds=thresholds)
-    renderer = _renderer(fmt, brief)
+    renderer = _renderer(fmt, brief, checklist=checklist)
     if isinstance(outcome, IncidentSet):
         emit(functools.partial(renderer.incident_set, outcome, out), out)
     else:
@@ -98,13 +100,13 @@ def emit_rejection(
     return error.exit_code
 
 
-def _renderer(fmt: str, brief: bool) -> Renderer:
+def _renderer(fmt: str, brief: bool, *, checklist: bool = False) -> Renderer:
     from nanrunbook.output.renderers import RENDERERS
     from nanrunbook.output.text import TextRenderer
 
-    if brief:
-        assert fmt == "text", "--brief is refused with other formats before the check"
-        return TextRenderer(brief=True)
+    if brief or checklist:
+        assert fmt == "text", "--brief and --checklist are refused with other formats"
+        return TextRenderer(brief=brief, checklist=checklist)
     return RENDERERS[fmt]
 
 

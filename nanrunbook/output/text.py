@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
@@ -87,17 +87,26 @@ class TextRenderer(Renderer):
     """The on-call view, through rich; colour only on a terminal without NO_COLOR.
 
     Lines wrap to the console's width (the terminal's, COLUMNS, or 80 when not a
-    terminal); ``width`` fixes it. ``brief`` prints at most six unwrapped lines.
+    terminal); ``width`` fixes it. ``brief`` prints at most six unwrapped lines. A
+    report fits one screen (:data:`SCREEN_LINES`, at 80 columns): one line per
+    checklist step, as many of the earliest stage's tensors and of the warnings as
+    there is room for; ``checklist`` prints every step in full instead.
     """
 
     name = "text"
 
     def __init__(
-        self, *, force_terminal: bool | None = None, width: int | None = None, brief: bool = False
+        self,
+        *,
+        force_terminal: bool | None = None,
+        width: int | None = None,
+        brief: bool = False,
+        checklist: bool = False,
     ) -> None:
         self.force_terminal = force_terminal
         self.width = width
         self.brief = brief
+        self.full_checklist = checklist
 
     def _console(self, out: IO[str]) -> Any:
         # rich drops styles when ``out`` is not a terminal; NO_COLOR (any
@@ -120,16 +129,8 @@ class TextRenderer(Renderer):
         if self.brief:
             _print_unwrapped(console, _brief_lines(report))
             return
-        _print_verdict(console, report)
-        _print_stages(console, report)
-        if report.decision.earliest_nonfinite_stage is None:
-            _print_probes(console, report)
-        else:
-            _print_earliest_stage(console, report)
-        _print_warnings(console, report)
-        _print_sections(
-            console, report.checklist, heading="Checklist (whole runbook: nanrunbook checklist)"
-        )
+        for block in _report_blocks(console, report, full_checklist=self.full_checklist):
+            _show(console, block)
 
     def rejection(
         self, error: EvidenceRejected, bundle: str, contract_content_id: str, out: IO[str]
@@ -158,7 +159,8 @@ class TextRenderer(Renderer):
             _show(console, _indented(Text(_shorten_digests(violation.message)), 4))
 
     def checklist(self, sections: tuple[Section, ...], out: IO[str]) -> None:
-        _print_sections(self._console(out), sections, heading="nanrunbook replay checklist")
+        console = self._console(out)
+        _show(console, _sections_block(sections, heading="nanrunbook replay checklist"))
 
     def contract(self, document: Mapping[str, Any], content_id: str, out: IO[str]) -> None:
         lines = [
@@ -325,7 +327,6 @@ class TextRenderer(Renderer):
 # ---------------------------------------------------------------- building blocks
 
 _DIGEST = re.compile(r"\b([0-9a-f]{12})[0-9a-f]{52}\b")
-_TENSORS_SHOWN = 5  # rows of the earliest stage's tensors before "N more"
 _NUMERIC = ("elements", "nan", "+inf", "-inf", "max abs")
 
 
@@ -372,6 +373,85 @@ def _print_unwrapped(console: Any, lines: list[Any]) -> None:
 # ---------------------------------------------------------------- the report
 
 
+SCREEN_LINES = 40  # the report's height at 80 columns: one screen, no scrolling
+_TENSORS_SHOWN = 5  # at most, of the earliest stage's tensors, before "N more"
+_WARNINGS_SHOWN = 6  # at most, of the warnings, before "N more"
+_ENTRY_LINES = 2  # a step of "Next steps" or a warning wraps to at most this many lines
+
+
+def _report_blocks(console: Any, report: Report, *, full_checklist: bool) -> list[Any]:
+    """The report, block after block. The earliest stage's tensors and the warnings
+    share the lines the other blocks leave of one screen (the first of each is
+    always shown); when even that does not fit, the warnings and then, one by
+    one, the steps take one line each. ``full_checklist`` prints every step in full, with the caps alone."""
+    from rich.console import Group
+
+    stage = _earliest_stage(report)
+    head = [_verdict_block(report), _stage_table(report)]
+    head.append(_grid(_stage_notes(report, recovery=full_checklist or stage is None)))
+    head.append(_probes_block(report) if stage is None else _earliest_heading(stage))
+
+    def tensors(shown: int) -> Any:
+        return Group() if stage is None else _earliest_tensors(report, stage, shown)
+
+    total_tensors = 0 if stage is None else len(stage.tensors)
+    caps = (min(total_tensors, _TENSORS_SHOWN), min(len(report.warnings), _WARNINGS_SHOWN))
+    if full_checklist:
+        heading = "Checklist (whole runbook: nanrunbook checklist)"
+        steps = _sections_block(report.checklist, heading=heading)
+        return [*head, tensors(caps[0]), _warnings_block(console, report, caps[1]), steps]
+    fixed = sum(_height(console, block) for block in head)
+    # Crowded, the warnings and then, one by one, the steps take one line each.
+    count = sum(len(section.steps) for section in report.checklist)
+    modes = [(0, _ENTRY_LINES), *((cut, 1) for cut in range(count + 1))]
+    for cut, warning_lines in modes:
+        steps = _next_steps(console, report, cut)
+
+        def warnings(shown: int, lines: int = warning_lines) -> Any:
+            return _warnings_block(console, report, shown, lines=lines)
+
+        room = SCREEN_LINES - fixed - _height(console, steps)
+        shown = _fit(room, caps, lambda n: _height(console, tensors(n)),
+                     lambda n: _height(console, warnings(n)))  # fmt: skip
+        if _height(console, tensors(shown[0])) + _height(console, warnings(shown[1])) <= room:
+            break
+    return [*head, tensors(shown[0]), warnings(shown[1]), steps]
+
+
+def _height(console: Any, renderable: Any) -> int:
+    """Lines ``renderable`` takes at the console's width."""
+    return len(console.render_lines(renderable, console.options, pad=False))
+
+
+def _fit(
+    room: int, caps: tuple[int, int], tensors: Callable[[int], int], warnings: Callable[[int], int]
+) -> tuple[int, int]:
+    """How many tensors and warnings fit in ``room`` lines, at most ``caps``: at least
+    the first of each, then one more of each in turn while they fit."""
+    shown = [min(1, caps[0]), min(1, caps[1])]
+    heights = (tensors, warnings)
+    grown = True
+    while grown:
+        grown = False
+        for which in (0, 1):
+            more = list(shown)
+            more[which] += 1
+            if more[which] <= caps[which] and heights[0](more[0]) + heights[1](more[1]) <= room:
+                shown = more
+                grown = True
+    return shown[0], shown[1]
+
+
+def _earliest_stage(report: Report) -> StageFinding | None:
+    name = report.decision.earliest_nonfinite_stage
+    return next((s for s in report.stages if s.stage == name), None)
+
+
+def _short_id(content_id: str) -> str:
+    """``sha256:5df540288221...``: a content id without the kind its label names."""
+    return _shorten_digests(content_id.split("@", 1)[-1])
+
+
 def _verdict_facts(report: Report) -> list[tuple[str, str]]:
     decision = report.decision
     manifest = report.manifest
@@ -379,27 +459,32 @@ def _verdict_facts(report: Report) -> list[tuple[str, str]]:
     facts = [("earliest non-finite stage", stage or "none: every captured element is finite")]
     if stage is not None:
         facts.append(("first non-finite tensor", _first_tensor(report)))
+    run = f"{manifest.run_id} step {manifest.step}"
+    if stage is None:  # a HOLD's next steps name the owner, as replay authority
+        run += f", owner {manifest.incident_owner}"
+    # The evidence id is named only when it says more than the run and step do.
+    evidence = _shorten_digests(manifest.evidence_content_id)
+    if manifest.evidence_id != f"{manifest.run_id}.step-{manifest.step}":
+        evidence = f"{manifest.evidence_id} {evidence}"
     return [
         *facts,
         ("action", decision.action),
         ("root cause claim", decision.root_cause_claim),
         ("bundle", report.bundle),
-        ("run", f"{manifest.run_id} step {manifest.step}"),
-        ("incident owner", manifest.incident_owner),
-        ("evidence", manifest.evidence_id),
-        ("evidence content id", _shorten_digests(manifest.evidence_content_id)),
-        ("contract", f"{report.contract_version} {_shorten_digests(report.contract_content_id)}"),
+        ("run", run),
+        ("evidence", evidence),
+        ("contract", f"{report.contract_version} {_short_id(report.contract_content_id)}"),
     ]
 
 
-def _print_verdict(console: Any, report: Report) -> None:
+def _verdict_block(report: Report) -> Any:
+    from rich.console import Group
     from rich.text import Text
 
     decision = report.decision.decision
     style = "bold red" if decision == HOLD else "bold green"
-    _show(console, Text.assemble(("nanrunbook check: ", "bold"), (decision, style)))
-    _show(console, _grid(list(_verdict_facts(report))))
-    _show(console)
+    headline = Text.assemble(("nanrunbook check: ", "bold"), (decision, style))
+    return Group(headline, _grid(_verdict_facts(report)))
 
 
 def _brief_lines(report: Report) -> list[Any]:
@@ -456,7 +541,7 @@ def _stage_table(report: Report) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=Text("Stages"), title_justify="left", box=None, padding=(0, 1))
+    table = Table(box=None, padding=(0, 1))  # its header row says what it is
     # On a narrow console words wrap; a number is never broken across lines (a
     # folded "160" would read as 16 and 0), it is cut with an ellipsis instead.
     for column in ("stage", "dtype"):
@@ -482,9 +567,10 @@ def _stage_table(report: Report) -> Any:
     return table
 
 
-def _stage_notes(report: Report) -> list[tuple[str, str]]:
+def _stage_notes(report: Report, *, recovery: bool) -> list[tuple[str, str]]:
     """What the table cannot say: counts not recounted, scaled magnitudes, why a
-    stage did not run, the loss scale and the recovery point."""
+    stage did not run, the loss scale and, with ``recovery``, the recovery point
+    (a HOLD's next steps name it)."""
     notes = [
         ("declared", f"{stage.stage}: counts of a summary, not recounted")
         for stage in report.stages
@@ -501,18 +587,15 @@ def _stage_notes(report: Report) -> list[tuple[str, str]]:
         if stage.status == "NOT_RUN":
             not_run.setdefault(stage.record.reason or "", []).append(stage.stage)
     notes += [("not run", f"{', '.join(names)}: {reason}") for reason, names in not_run.items()]
-    lkg = report.manifest.last_known_good
     notes.append(("loss scale", _scaler_text(report)))
-    # The contract accepts a recovery point only when all five parts were verified together.
-    recovery = f"{lkg.checkpoint_id} at step {lkg.step}, all five parts verified together"
-    notes.append(("last known-good", recovery))
+    if recovery:
+        # The contract accepts a recovery point only when all five parts were verified together.
+        lkg = report.manifest.last_known_good
+        notes.append(("last known-good", f"{lkg.checkpoint_id} at step {lkg.step}, {_TOGETHER}"))
     return notes
 
 
-def _print_stages(console: Any, report: Report) -> None:
-    _show(console, _stage_table(report))
-    _show(console, _grid(_stage_notes(report)))
-    _show(console)
+_TOGETHER = "all five parts verified together"
 
 
 def _scaler_text(report: Report) -> str:
@@ -530,16 +613,18 @@ def _scaler_text(report: Report) -> str:
     return line
 
 
-def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) -> list[str]:
-    """Counts, then on a line of their own the finite extremes (as reported: scaled
-    gradients divided by the scale) when the tensor's data was read."""
+def _tensor_facts(
+    report: Report, stage: StageFinding, tensor: TensorFinding
+) -> tuple[str, str | None]:
+    """Counts, and the finite extremes (as reported: scaled gradients divided by the
+    scale) when the tensor's data was read."""
     if tensor.counts is None:  # a summary: the header says why there are no counts
-        return [""]
+        return "", None
     counts = counts_phrase(tensor.counts)
     extremes = tensor.extremes
     if extremes is None or extremes.min is None or extremes.max is None:
         magnitude = report.reported_magnitude(stage, tensor.finite_max_abs)
-        return [counts if magnitude is None else f"{counts}, max abs {number(magnitude)}"]
+        return (counts if magnitude is None else f"{counts}, max abs {number(magnitude)}"), None
 
     def shown(value: float) -> str:
         reported = report.reported_magnitude(stage, value)
@@ -552,100 +637,140 @@ def _tensor_facts(report: Report, stage: StageFinding, tensor: TensorFinding) ->
     zeros = "zero" if extremes.zeros == 1 else "zeros"
     subnormals = "subnormal" if extremes.subnormals == 1 else "subnormals"
     line += f"; {extremes.zeros} {zeros}, {extremes.subnormals} {subnormals}"
-    return [counts, line]
+    return counts, line
 
 
-def _earliest_tensors(report: Report, stage: StageFinding) -> Any:
-    """The stage's tensors, non-finite ones first (the first non-finite leads), capped."""
+def _earliest_tensors(report: Report, stage: StageFinding, shown: int) -> Any:
+    """The first ``shown`` of the stage's tensors, non-finite ones first (the first
+    non-finite leads): name, dtype, shape and counts on a line, the extremes on the
+    next; then how many more."""
+    from rich.cells import cell_len
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     ordered = sorted(stage.tensors, key=lambda t: not (t.counts is not None and t.counts.nonfinite))
-    grid = Table.grid(padding=(0, 2))
-    for column in ("tensor", "dtype", "shape"):
-        grid.add_column(overflow="fold", no_wrap=column != "tensor")
-    grid.add_column(overflow="fold")
-    for tensor in ordered[:_TENSORS_SHOWN]:
+    rows = ordered[:shown]
+    names = max((cell_len(t.entry.name) for t in rows), default=0)
+    dtypes = max((len(t.entry.dtype) for t in rows), default=0)
+    shapes = max((len(shape_text(t.entry.shape)) for t in rows), default=0)
+    lines = []
+    for tensor in rows:
         entry = tensor.entry
-        first, *more = _tensor_facts(report, stage, tensor)
-        grid.add_row(Text(entry.name), entry.dtype, shape_text(entry.shape), first)
-        for line in more:
-            grid.add_row("", "", "", line)
-    hidden = len(ordered) - _TENSORS_SHOWN
-    if hidden <= 0:
-        return _indented(grid, 2)
-    rest = Text(f"... {hidden} more (all in --format json)")
-    return _indented(Group(grid, rest), 2)
+        counts, extremes = _tensor_facts(report, stage, tensor)
+        padding = " " * (names - cell_len(entry.name))
+        cells = f"  {entry.dtype:<{dtypes}}  {shape_text(entry.shape):<{shapes}}  {counts}"
+        lines.append(_indented(Text.assemble(entry.name, padding, cells.rstrip()), 2))
+        if extremes is not None:
+            lines.append(_indented(Text(extremes), 4))
+    hidden = len(ordered) - len(rows)
+    if hidden > 0:
+        lines.append(_indented(Text(f"... {hidden} more (all in --format json)"), 2))
+    return Group(*lines)
 
 
-def _print_earliest_stage(console: Any, report: Report) -> None:
+def _earliest_heading(stage: StageFinding) -> Any:
+    """The stage, its telemetry and where it was probed; its owner is named by the
+    checklist's replay authority step."""
+    from rich.console import Group
     from rich.text import Text
 
-    name = report.decision.earliest_nonfinite_stage
-    assert name is not None
-    stage = next(s for s in report.stages if s.stage == name)
     record = stage.record
-    _show(console, Text(f"Earliest non-finite stage: {name}", style="bold"))
-    _show(
-        console,
-        _grid(
-            [
-                ("owner", f"{record.owner}, telemetry {record.telemetry_id}"),
-                ("probe source", record.probe_source),
-            ]
-        ),
+    heading = Text.assemble(
+        (f"Earliest non-finite stage: {stage.stage}", "bold"),
+        f" (telemetry {record.telemetry_id})",
     )
-    _show(console, _earliest_tensors(report, stage))
-    _show(console)
+    return Group(heading, _grid([("probe source", record.probe_source)]))
 
 
-_WARNINGS_SHOWN = 6  # warnings listed before "N more"
-
-
-def _print_warnings(console: Any, report: Report) -> None:
-    """The early warnings, upstream stages first (their order in the report)."""
+def _warnings_block(console: Any, report: Report, shown: int, *, lines: int = 0) -> Any:
+    """The first ``shown`` early warnings, upstream stages first (their order in the
+    report), each cut to ``lines`` lines (0: whole), then how many more."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     warnings = report.warnings
     if not warnings:
-        _show(console, Text.assemble(("Warnings", "bold"), ": none"))
-        _show(console)
-        return
-    _show(console, Text(f"Warnings ({len(warnings)}, upstream first)", style="bold"))
+        return Text.assemble(("Warnings", "bold"), ": none")
+    heading = Text(f"Warnings ({len(warnings)}, upstream first)", style="bold")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True, style="yellow")
     grid.add_column(overflow="fold")
-    for warning in warnings[:_WARNINGS_SHOWN]:
+    codes = max(len(w.code) for w in warnings[:shown]) if shown else 0
+    width = console.width - 2 - codes - 2  # indent, code, padding
+    for warning in warnings[:shown]:
         where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
-        grid.add_row(warning.code, where)
-    hidden = len(warnings) - _WARNINGS_SHOWN
+        grid.add_row(warning.code, _at_most(console, where, width, lines) if lines else where)
+    hidden = len(warnings) - shown
     rest = [Text(f"... {hidden} more (all in --format json)")] if hidden > 0 else []
-    _show(console, _indented(Group(grid, *rest), 2))
-    _show(console)
+    return Group(heading, _indented(Group(grid, *rest), 2))
 
 
-def _print_probes(console: Any, report: Report) -> None:
+def _probes_block(report: Report) -> Any:
     """On CONTINUE no stage is singled out: what was checked is where each boundary
     was probed."""
+    from rich.console import Group
     from rich.text import Text
 
-    _show(console, Text("Probes", style="bold"))
-    _show(console, _grid([(s.stage, s.record.probe_source) for s in report.stages]))
-    _show(console)
+    probes = _grid([(s.stage, s.record.probe_source) for s in report.stages])
+    return Group(Text("Probes", style="bold"), probes)
 
 
-def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str) -> None:
+_NEXT_STEPS = "Next steps (in full: --checklist; whole runbook: nanrunbook checklist)"
+
+
+def _next_steps(console: Any, report: Report, cut: int) -> Any:
+    """The checklist one step an entry: its title and the bundle's fact it refers to,
+    wrapped to at most two lines; the first ``cut`` steps that wrap are cut to one."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    _show(console, Text(heading, style="bold underline"))
+    steps = [step for section in report.checklist for step in section.steps]
+    digits = len(str(len(steps)))
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(justify="right", no_wrap=True, min_width=digits + 1)
+    grid.add_column()
+    width = console.width - 1 - (digits + 1) - 1  # indent, number, padding
+    for number_, step in enumerate(steps, 1):
+        fact = _shorten_digests(step.fact or step.detail)
+        text = Text.assemble((step.title, "bold"), f": {fact}")
+        lines = _ENTRY_LINES
+        if cut and len(text.wrap(console, max(width, 8))) > 1:
+            cut, lines = cut - 1, 1
+        grid.add_row(f"{number_}.", _at_most(console, text, width, lines))
+    return Group(Text(_NEXT_STEPS, style="bold underline"), _indented(grid, 1))
+
+
+def _at_most(console: Any, text: Any, width: int, lines: int) -> Any:
+    """``text`` wrapped to ``width``, cut to ``lines`` lines: the last is filled to the
+    width, word or not, and ends in ``...`` when it was cut."""
+    from rich.text import Text
+
+    width = max(width, 8)
+    wrapped = text.wrap(console, width)
+    if len(wrapped) <= lines:
+        return text
+    kept = [line.copy() for line in wrapped[: lines - 1]]
+    rest = text[sum(len(line.plain) for line in kept) :]
+    rest = rest[len(rest.plain) - len(rest.plain.lstrip()) :]
+    rest.truncate(width - 3)
+    rest.rstrip()
+    rest.append("...")
+    return Text("\n").join([*kept, rest])
+
+
+def _sections_block(sections: tuple[Section, ...], *, heading: str) -> Any:
+    """Every step in full, section by section, numbered through."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text(heading, style="bold underline")]
     count = 0
     digits = len(str(sum(len(section.steps) for section in sections)))
     for section in sections:
-        _show(console, Text(section.title, style="bold"))
+        parts.append(Text(section.title, style="bold"))
         grid = Table.grid(padding=(0, 1))
         grid.add_column(justify="right", no_wrap=True, min_width=digits + 1)
         grid.add_column(overflow="fold")
@@ -653,7 +778,8 @@ def _print_sections(console: Any, sections: tuple[Section, ...], *, heading: str
             count += 1
             detail = _shorten_digests(step.detail)
             grid.add_row(f"{count}.", Text.assemble((step.title, "bold"), f": {detail}"))
-        _show(console, _indented(grid, 1))
+        parts.append(_indented(grid, 1))
+    return Group(*parts)
 
 
 _DIFF_STYLE = {

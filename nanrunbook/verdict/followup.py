@@ -2,7 +2,9 @@
 
 ``nanrunbook checklist`` prints the whole runbook (:mod:`runbook`). A report
 carries only the steps its verdict calls for, in the runbook's words, each
-naming the tensors, stages, scale transition and finite extremes it refers to.
+naming the tensors, stages, scale transition and finite extremes it refers to:
+in full (``detail``) and in a few words (``fact``, the one-line form a screen
+has room for).
 A CONTINUE never says "hold the update"; a HOLD at input, the first boundary,
 points at the input data contract, not at stages upstream of it.
 
@@ -90,9 +92,9 @@ class _Evidence:
         return tuple(w for w in self.report.warnings if w.stage in upstream)
 
 
-def _step(step_id: str, detail: str) -> Step:
-    """The runbook's step, its detail naming this bundle's evidence."""
-    return Step(step_id, find_step(step_id).title, detail)
+def _step(step_id: str, detail: str, fact: str) -> Step:
+    """The runbook's step, its detail and its fact naming this bundle's evidence."""
+    return Step(step_id, find_step(step_id).title, detail, fact)
 
 
 def checklist_for(report: Report) -> tuple[Section, ...]:
@@ -107,7 +109,8 @@ def checklist_for(report: Report) -> tuple[Section, ...]:
     first, *rest = _STAGE_BUILDERS[stage.stage](evidence, stage)
     here = [w for w in report.warnings if w.stage == stage.stage]
     if here:
-        first = Step(first.id, first.title, f"{first.detail} Warnings here: {_named(here)}.")
+        detail = f"{first.detail} Warnings here: {_named(here)}."
+        first = Step(first.id, first.title, detail, first.fact)
     steps = (first, *rest)
     return (
         Section(specific.id, specific.title, steps),
@@ -132,6 +135,12 @@ def _first_named(evidence: _Evidence, stage: StageFinding) -> str:
         return f"{counts_phrase(stage.counts)} in the {stage.stage} summary (no per-tensor counts)"
     entry = tensor.entry
     return f"{entry.name} ({entry.dtype} {shape_text(entry.shape)}: {counts_phrase(tensor.counts)})"
+
+
+def _first_short(evidence: _Evidence, stage: StageFinding) -> str:
+    """The first non-finite tensor's name, or the summary stage it is unknown in."""
+    name = evidence.decision.first_nonfinite_tensor
+    return name or f"{stage.stage} summary (no per-tensor counts)"
 
 
 def _first_of_kind(evidence: _Evidence, stage: StageFinding, kind: str) -> str:
@@ -208,6 +217,17 @@ def _upstream_phrase(evidence: _Evidence, earliest: int) -> str:
     return f"{_peak_phrase(evidence, peak)}, {distance} {target}"
 
 
+def _upstream_fact(evidence: _Evidence, earliest: int) -> str:
+    """``act/x (forward, F32) reached 4, 14.0 bits below F16's max (compute dtype), two
+    stages before``: the upstream phrase in fewer words."""
+    peak = _peak(evidence, range(earliest))
+    if peak is None:
+        return "no recounted finite non-zero floating value upstream"
+    at = next(i for i, s in enumerate(evidence.stages) if s.stage == peak[0].stage)
+    phrase = _peak_phrase(evidence, peak).replace(" (the compute dtype)", " (compute dtype)")
+    return f"{phrase}, {stages_before(earliest - at)}"
+
+
 def _upstream_detail(evidence: _Evidence, earliest: int) -> str:
     upstream = evidence.warnings_before(earliest)
     detail = _upstream_phrase(evidence, earliest) + "."
@@ -234,10 +254,14 @@ def _bounded_diagnostics(evidence: _Evidence) -> Section:
     if warnings:
         count = f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}"
         extremes = f"{count}, upstream first: {_named(warnings)}."
+        first = warnings[0]
+        look = f"{count}, first {first.code} at {first.tensor} ({first.stage})"
     elif peak:
         extremes = f"No warning; the value closest to a limit: {_peak_phrase(evidence, peak)}."
+        look = f"none; closest to a limit: {_peak_phrase(evidence, peak)}"
     else:
         extremes = "No warning, and no recounted floating tensor holds a non-zero value."
+        look = "none, and no recounted floating tensor holds a non-zero value"
     return Section(
         "bounded-diagnostics",
         "Bounded diagnostics",
@@ -247,18 +271,22 @@ def _bounded_diagnostics(evidence: _Evidence) -> Section:
                 f"All {total} elements captured at the five boundaries of step {manifest.step} "
                 f"(rank {binding.rank} of {binding.world_size}) are finite: nothing here needs "
                 "holding, and nothing here explains the alert.",
+                f"all {total} elements of step {manifest.step} finite "
+                f"(rank {binding.rank} of {binding.world_size})",
             ),
-            _step("look-at-warnings", extremes),
+            _step("look-at-warnings", extremes, look),
             _step(
                 "check-other-signals",
                 f"Look for the alert's source outside this evidence: another step than "
                 f"{manifest.step}, another rank, the loss logging or reduction path, or "
                 "evaluation.",
+                f"another step than {manifest.step}, another rank, the loss path, evaluation",
             ),
             _step(
                 "keep-capturing",
                 "Keep the five boundaries guarded so the next non-finite step leaves a bundle; "
                 f"compare it with {manifest.evidence_id}.",
+                f"compare the next bundle with {manifest.evidence_id}",
             ),
         ),
     )
@@ -269,22 +297,26 @@ def _bounded_diagnostics(evidence: _Evidence) -> Section:
 
 def _input_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     first = _first_named(evidence, stage)
+    batch, data = evidence.bound("batch"), evidence.bound("data")
+    cursor, state = evidence.bound("loader_cursor"), evidence.bound("random_state")
     return (
         _step(
             "validate-batch",
-            f"{first}: check batch {evidence.bound('batch')} of data {evidence.bound('data')} "
-            "for value ranges, label ids and masks.",
+            f"{first}: check batch {batch} of data {data} for value ranges, label ids and masks.",
+            f"{_first_short(evidence, stage)}, batch {batch} of {data}",
         ),
         _step(
             "reload-samples",
-            f"Load it again from loader cursor {evidence.bound('loader_cursor')} with random "
-            f"state {evidence.bound('random_state')}; expect {_symptom(evidence, stage)}.",
+            f"Load it again from loader cursor {cursor} with random state {state}; "
+            f"expect {_symptom(evidence, stage)}.",
+            f"from {cursor} with {state}; expect {_symptom(evidence, stage)}",
         ),
         _step(
             "trace-preprocessing",
             "Input is the first boundary, with nothing upstream: look for a log of zero, a "
-            f"zero standard deviation or a corrupt shard of {evidence.bound('data')}; "
-            "quarantine it, never skip silently.",
+            f"zero standard deviation or a corrupt shard of {data}; quarantine it, never skip "
+            "silently.",
+            f"nothing is upstream of input: a log of 0, a 0 std, a bad shard of {data}",
         ),
     )
 
@@ -296,41 +328,49 @@ def _forward_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]
             f"The forward ran in {compute}: replay it with autocast off; if it stays finite, "
             "look at overflow in reduced precision (attention logits, exp, large matmul sums)."
         )
+        fact = f"it ran in {compute}: replay with autocast off"
     else:
         fp32 = (
             f"The forward already ran in {compute}: precision alone is not the change to "
             "try; look at the module's exp, division, log and large sums."
         )
+        fact = f"it already ran in {compute}: look at exp, division, log, large sums"
     return (
         _step(
             "first-module",
             f"{_first_of_kind(evidence, stage, 'activation')}; replay the forward with hooks "
             "in execution order: it names a module, not a cause.",
+            f"{_first_short(evidence, stage)}, first non-finite activation: a module, not a cause",
         ),
-        _step("forward-in-fp32", fp32),
+        _step("forward-in-fp32", fp32, fact),
     )
 
 
 def _loss_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     binding = evidence.manifest.binding
-    if binding.compute_dtype in _REDUCED:
+    compute = binding.compute_dtype
+    if compute in _REDUCED:
         fp32 = (
-            f"The compute dtype was {binding.compute_dtype}: compute the loss from logits "
+            f"The compute dtype was {compute}: compute the loss from logits "
             "with a fused log-softmax loss in F32, not as a log of probabilities."
         )
+        fact = f"it ran in {compute}: a fused log-softmax on logits, in F32"
     else:
         fp32 = (
-            f"The compute dtype was already {binding.compute_dtype}: check that the loss "
+            f"The compute dtype was already {compute}: check that the loss "
             "takes logits through a fused log-softmax, not a log of probabilities."
         )
+        fact = f"already {compute}: a fused log-softmax on logits, not log(probabilities)"
+    objective = evidence.bound("objective")
     return (
         _step(
             "objective-reduction",
-            f"{_first_named(evidence, stage)}: objective {evidence.bound('objective')} "
+            f"{_first_named(evidence, stage)}: objective {objective} "
             f"reduces by {binding.reduction}; a mean over zero valid elements is 0/0, a log "
             "of a zero probability is -inf.",
+            f"{_first_short(evidence, stage)} from {objective}, reduced by {binding.reduction}",
         ),
-        _step("loss-in-fp32", fp32),
+        _step("loss-in-fp32", fp32, fact),
     )
 
 
@@ -340,8 +380,9 @@ def _backward_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...
             "gradient-path",
             f"{_first_of_kind(evidence, stage, 'gradient')}: start there, then walk back "
             "through the activations that feed it.",
+            f"{_first_short(evidence, stage)} first, then what feeds it",
         ),
-        _step("loss-scaling", _scaling_detail(evidence, stage)),
+        _step("loss-scaling", _scaling_detail(evidence, stage), _scaling_fact(evidence, stage)),
     )
 
 
@@ -367,6 +408,21 @@ def _scaling_detail(evidence: _Evidence, stage: StageFinding) -> str:
     return f"{transition}; the gradients were probed after unscale_."
 
 
+def _scaling_fact(evidence: _Evidence, stage: StageFinding) -> str:
+    """``65536 -> 32768, found_inf true, update skipped; probed scaled``."""
+    scaler = evidence.manifest.binding.scaler
+    if scaler.mode == "none":
+        return f"no loss scale, compute dtype {evidence.manifest.binding.compute_dtype}"
+    if scaler.mode == "static":
+        fact = f"static scale {number(scaler.scale)}"
+    else:
+        assert scaler.scale_after is not None
+        fact = f"{number(scaler.scale)} -> {number(scaler.scale_after)} "
+        fact += f"(found_inf {str(scaler.found_inf).lower()}"
+        fact += ", skipped)" if scaler.step_skipped else ")"
+    return f"{fact}; probed {stage.record.gradients}"
+
+
 def _optimizer_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ...]:
     gradients = evidence.stages[evidence.stages.index(stage) - 1]
     if gradients.status == "OBSERVED" and gradients.finite_max_abs is not None:
@@ -381,11 +437,13 @@ def _optimizer_steps(evidence: _Evidence, stage: StageFinding) -> tuple[Step, ..
             f"{_first_named(evidence, stage)}: look at second moments near zero with a small "
             "eps, state kept in reduced precision, and the learning rate from scheduler "
             f"{evidence.bound('scheduler')}.",
+            f"{evidence.bound('optimizer')} turned {fed} into {_first_short(evidence, stage)}",
         ),
         _step(
             "update-size",
             "Compare the proposed update with the parameters: finite gradients with a "
             "non-finite update point at the optimizer, not the model.",
+            "against the parameters: finite gradients, non-finite update: the optimizer",
         ),
     )
 
@@ -402,17 +460,21 @@ _STAGE_BUILDERS: dict[str, Callable[[_Evidence, StageFinding], tuple[Step, ...]]
 # ---------------------------------------------------------------- HOLD: containment, replay
 
 
-def _hold_detail(evidence: _Evidence) -> str:
+def _hold_detail(evidence: _Evidence) -> tuple[str, str]:
+    """The step's detail and its fact: what happened to this step's update."""
     optimizer = evidence.stages[-1]
     scaler = evidence.manifest.binding.scaler
     step = evidence.manifest.step
     if optimizer.status == "NOT_RUN" and scaler.step_skipped:
         done = f"The scaler skipped optimizer.step() at step {step}: keep it skipped on retry"
+        fact = f"keep step {step} skipped"
     elif optimizer.status == "NOT_RUN":
         done = f"The optimizer did not run at step {step}: keep it from running on this evidence"
+        fact = f"keep step {step} from running"
     else:
         done = f"The optimizer stage ran to its probe: do not apply its update of step {step}"
-    return f"{done}; pause checkpoint promotion."
+        fact = f"do not apply step {step}"
+    return f"{done}; pause checkpoint promotion.", f"{fact}; pause checkpoint promotion"
 
 
 def _containment(evidence: _Evidence) -> Section:
@@ -421,26 +483,30 @@ def _containment(evidence: _Evidence) -> Section:
     stage = evidence.stages[evidence.earliest or 0]
     owner = stage.record.owner
     with_owner = "" if owner == manifest.incident_owner else f", with {owner} ({stage.stage})"
+    batch, cursor = evidence.bound("batch"), evidence.bound("loader_cursor")
+    state = evidence.bound("random_state")
+    recovery = f"{lkg.checkpoint_id} (step {lkg.step}, {_steps_back(manifest.step - lkg.step)})"
     return Section(
         "containment",
         "Containment",
         (
-            _step("hold-the-update", _hold_detail(evidence)),
+            _step("hold-the-update", *_hold_detail(evidence)),
             _step(
                 "preserve-the-boundary",
-                f"Keep this bundle, batch {evidence.bound('batch')}, loader cursor "
-                f"{evidence.bound('loader_cursor')} and random state "
-                f"{evidence.bound('random_state')} exactly as captured.",
+                f"Keep this bundle, batch {batch}, loader cursor {cursor} and random state "
+                f"{state} exactly as captured.",
+                f"{batch}, {cursor}, {state}",
             ),
             _step(
                 "mark-last-known-good",
-                f"{lkg.checkpoint_id} (step {lkg.step}, {_steps_back(manifest.step - lkg.step)}); "
-                "nothing after it is trusted.",
+                f"{recovery}; nothing after it is trusted.",
+                f"{lkg.checkpoint_id}, {_steps_back(manifest.step - lkg.step)}",
             ),
             _step(
                 "choose-replay-authority",
                 f"Incident owner {manifest.incident_owner} decides how step {manifest.step} "
                 f"is replayed{with_owner}.",
+                f"{manifest.incident_owner}{with_owner}",
             ),
         ),
     )
@@ -459,7 +525,8 @@ def _replay(evidence: _Evidence, earliest: int) -> Section:
             "Resume only after the repaired or quarantined data passes input finite and a "
             "fresh bundle checks CONTINUE."
         )
-        return Section("replay", "Replay", (_step("prove-recovery", recovery),))
+        fact = "the repaired data passes input finite and a fresh bundle checks CONTINUE"
+        return Section("replay", "Replay", (_step("prove-recovery", recovery, fact),))
     stage = evidence.stages[earliest]
     return Section(
         "replay",
@@ -470,24 +537,35 @@ def _replay(evidence: _Evidence, earliest: int) -> Section:
                 f"Replay step {manifest.step} from {manifest.last_known_good.checkpoint_id} "
                 "on copies (nanrunbook.capture.torch.replay_step); expect "
                 f"{_symptom(evidence, stage)}.",
+                f"expect {_symptom(evidence, stage)}",
             ),
-            _step("inspect-upstream-extremes", _upstream_detail(evidence, earliest)),
-            _step("change-one-mechanism", _mechanisms(evidence)),
+            _step(
+                "inspect-upstream-extremes",
+                _upstream_detail(evidence, earliest),
+                _upstream_fact(evidence, earliest),
+            ),
+            _step("change-one-mechanism", *_mechanisms(evidence)),
             _step(
                 "prove-recovery",
                 "Resume only after the fixed replay runs several steps finite at all five "
                 "boundaries and a fresh bundle checks CONTINUE.",
+                "several finite steps, then a fresh bundle checks CONTINUE",
             ),
         ),
     )
 
 
-def _mechanisms(evidence: _Evidence) -> str:
+def _mechanisms(evidence: _Evidence) -> tuple[str, str]:
+    """The detail, and the fact: the mechanisms this bundle's binding can change."""
     binding = evidence.manifest.binding
-    options = []
+    options, short = [], []
     if binding.compute_dtype in _REDUCED:
         options.append(f"F32 instead of {binding.compute_dtype} autocast")
+        short.append(f"F32, not {binding.compute_dtype}")
     if binding.scaler.mode != "none":
         options.append(f"a lower scale than {number(binding.scaler.scale)}")
+        short.append(f"scale < {number(binding.scaler.scale)}")
     options.append(f"another batch than {evidence.bound('batch')}")
-    return f"One per replay, each outcome recorded: {', '.join(options)}, another kernel."
+    short.append("another batch")
+    detail = f"One per replay, each outcome recorded: {', '.join(options)}, another kernel."
+    return detail, "; ".join(short)

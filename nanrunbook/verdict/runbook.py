@@ -16,9 +16,14 @@ __all__ = ["SECTIONS", "STAGE_STEPS", "Section", "Step", "checklist", "find_step
 
 @dataclass(frozen=True, slots=True)
 class Step:
+    """A runbook step. ``fact`` is, in a report's checklist, the bundle's evidence the
+    step refers to in a few words: the one-line form of ``detail`` a screen has room
+    for (empty in the whole runbook, which names no bundle)."""
+
     id: str
     title: str
     detail: str
+    fact: str = ""
 
 
 @dataclass(frozen=True, slots=True)
