@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,23 @@ def render_rejection(name: str, *, width: int = 80, brief: bool = False) -> str:
     return out.getvalue()
 
 
+def writer_for(
+    run_id: str, step: int, checkpoint: str, good_step: int, items: Any = None
+) -> BundleWriter:
+    """A writer for one test bundle: owner ml-oncall, every recovery part verified."""
+    return BundleWriter(
+        run_id=run_id,
+        step=step,
+        incident_owner="ml-oncall",
+        binding=binding() if items is None else items,
+        last_known_good={
+            "checkpoint_id": checkpoint,
+            "step": good_step,
+            "verified_together": list(RECOVERY_PARTS),
+        },
+    )
+
+
 def widest(text: str) -> int:
     return max(len(line) for line in text.splitlines())
 
@@ -90,17 +108,7 @@ def test_the_report_wraps_to_a_wider_terminal(columns: str) -> None:
 
 def test_huge_counts_stay_whole_and_within_the_width(tmp_path: Path) -> None:
     """A number is never folded across lines (a folded 160 would read as 16 and 0)."""
-    writer = BundleWriter(
-        run_id="run-huge",
-        step=2,
-        incident_owner="ml-oncall",
-        binding=binding(),
-        last_known_good={
-            "checkpoint_id": "ckpt-1",
-            "step": 1,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-huge", 2, "ckpt-1", 1)
     elements = 2**31
     writer.summarize(
         "input",
@@ -182,17 +190,7 @@ def test_declared_counts_are_marked() -> None:
 def _wide_stage_bundle(tmp_path: Path) -> Path:
     """A forward stage of eight tensors, the third and sixth non-finite, and an F16
     activation at exactly F16's largest finite value in the stage before."""
-    writer = BundleWriter(
-        run_id="run-wide",
-        step=7,
-        incident_owner="ml-oncall",
-        binding=binding(),
-        last_known_good={
-            "checkpoint_id": "ckpt-5",
-            "step": 5,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-wide", 7, "ckpt-5", 5)
     batch = np.array([1.0, 65504.0, -3.0, 0.0], dtype="float16")
     writer.observe("input", [("batch/x", batch, "p")], owner=OWNER, probe_source="loader")
     acts = []
@@ -371,17 +369,7 @@ def test_checklist_names_an_extreme_at_the_dtype_limit(tmp_path: Path) -> None:
 
 
 def test_checklist_headroom_in_bits(tmp_path: Path) -> None:
-    writer = BundleWriter(
-        run_id="run-near",
-        step=3,
-        incident_owner="ml-oncall",
-        binding=binding(),
-        last_known_good={
-            "checkpoint_id": "ckpt-1",
-            "step": 1,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-near", 3, "ckpt-1", 1)
     writer.observe(
         "input", [("batch/x", np.ones(2, dtype="float32"), "p")], owner=OWNER, probe_source="l"
     )
@@ -432,17 +420,7 @@ def _warned_writer(*, nonfinite_gradient: bool = False) -> BundleWriter:
     (CONTINUE), or with a second, infinite gradient (HOLD at backward)."""
     bound = binding()
     bound["precision"] = {"id": "fp16", "param_dtype": "F32", "compute_dtype": "F16"}
-    writer = BundleWriter(
-        run_id="run-warned",
-        step=4,
-        incident_owner="ml-oncall",
-        binding=bound,
-        last_known_good={
-            "checkpoint_id": "ckpt-3",
-            "step": 3,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-warned", 4, "ckpt-3", 3, items=bound)
     batch = np.array([40000.0, 1.0], dtype="float32")
     writer.observe("input", [("batch/x", batch, "p")], owner=OWNER, probe_source="loader")
     acts = [
@@ -489,17 +467,7 @@ def test_warnings_get_their_own_section_upstream_first(tmp_path: Path) -> None:
 
 
 def test_warnings_section_is_capped(tmp_path: Path) -> None:
-    writer = BundleWriter(
-        run_id="run-many",
-        step=4,
-        incident_owner="ml-oncall",
-        binding=binding(),
-        last_known_good={
-            "checkpoint_id": "ckpt-3",
-            "step": 3,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-many", 4, "ckpt-3", 3)
     saturated = [(f"act/{i}", np.array([65504.0], dtype="float16"), "h") for i in range(8)]
     saturated.append(("act/nan", np.array([np.nan], dtype="float16"), "h"))
     writer.observe("input", [("batch/x", np.ones(2, "float32"), "p")], owner=OWNER,
@@ -637,16 +605,8 @@ def _crowded_bundle(tmp_path: Path) -> Path:
         "id": "gradscaler", "mode": "dynamic", "scale": 65536, "growth_factor": 2.0,
         "backoff_factor": 0.5, "found_inf": True, "step_skipped": True, "scale_after": 32768,
     }  # fmt: skip
-    writer = BundleWriter(
-        run_id="run-2026-11-30-llm-pretrain-017",
-        step=120345,
-        incident_owner="ml-oncall",
-        binding=bound,
-        last_known_good={
-            "checkpoint_id": "ckpt-step-120000",
-            "step": 120000,
-            "verified_together": list(RECOVERY_PARTS),
-        },
+    writer = writer_for(
+        "run-2026-11-30-llm-pretrain-017", 120345, "ckpt-step-120000", 120000, items=bound
     )
     batch = np.array([70354.1, 1.0, -2.0, 0.5], dtype="float32")
     writer.observe("input", [("batch/input_embeds", batch, "p")], owner="data-oncall",
@@ -716,17 +676,7 @@ def test_every_fixture_fits_one_screen(name: str) -> None:
 
 def test_a_long_step_is_cut_at_two_lines(tmp_path: Path) -> None:
     """A tensor name longer than two lines cannot push the next steps off the screen."""
-    writer = BundleWriter(
-        run_id="run-long",
-        step=2,
-        incident_owner="ml-oncall",
-        binding=binding(),
-        last_known_good={
-            "checkpoint_id": "ckpt-1",
-            "step": 1,
-            "verified_together": list(RECOVERY_PARTS),
-        },
-    )
+    writer = writer_for("run-long", 2, "ckpt-1", 1)
     name = "batch/" + "very_long_feature_name." * 8
     writer.observe("input", [(name, np.array([np.nan], "float32"), "p")], owner=OWNER,
                    probe_source="loader")  # fmt: skip

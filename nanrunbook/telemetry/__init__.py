@@ -1,7 +1,8 @@
 """The sentinel's telemetry: one JSON line per step, read, summarised and sent on.
 
 * :mod:`.record` — the ``nanrunbook-telemetry/1`` line: frozen records, the
-  document, the strict parser;
+  document, the strict parser, and the fast path's decoder of the uneventful
+  line;
 * :mod:`.reader` and :mod:`.follow` — a file read once or followed as it grows,
   in bounded memory, bad lines reported by number;
 * :mod:`.summary` and :mod:`.series` — what the lines say about the run, and a

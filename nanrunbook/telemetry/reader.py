@@ -11,6 +11,7 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
 
 import orjson
@@ -82,15 +83,13 @@ class LineSplitter:
         pieces = chunk.split(b"\n")
         pieces[0] = self._pending + pieces[0]
         self._pending = pieces.pop()
-        out: list[tuple[int, bytes] | BadLine] = []
-        for raw in pieces:
-            self.line_number += 1
-            if self._overlong:
-                self._overlong = False  # its report was made when it passed the bound
-            elif len(raw) > self.max_line:
-                out.append(self._too_long())
-            else:
-                out.append((self.line_number, raw))
+        first = self.line_number + 1
+        self.line_number += len(pieces)
+        out: list[tuple[int, bytes] | BadLine]
+        if self._overlong or (pieces and max(map(len, pieces)) > self.max_line):
+            out = self._screened(first, pieces)
+        else:  # the usual chunk, numbered in one pass rather than line by line
+            out = list(zip(count(first), pieces))
         if len(self._pending) > self.max_line:
             if not self._overlong:
                 out.append(self._too_long(self.line_number + 1))
@@ -98,11 +97,20 @@ class LineSplitter:
             self._pending = b""
         return out
 
-    def _too_long(self, line: int | None = None) -> BadLine:
+    def _screened(self, first: int, pieces: list[bytes]) -> list[tuple[int, bytes] | BadLine]:
+        out: list[tuple[int, bytes] | BadLine] = []
+        for number, raw in enumerate(pieces, first):
+            if self._overlong:
+                self._overlong = False  # its report was made when it passed the bound
+            elif len(raw) > self.max_line:
+                out.append(self._too_long(number))
+            else:
+                out.append((number, raw))
+        return out
+
+    def _too_long(self, line: int) -> BadLine:
         return BadLine(
-            line or self.line_number,
-            "TOO_LONG",
-            f"longer than {self.max_line} bytes; skipped to its newline",
+            line, "TOO_LONG", f"longer than {self.max_line} bytes; skipped to its newline"
         )
 
 
@@ -152,24 +160,41 @@ class TelemetryReader:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.lines = 0
+        self._splitter: LineSplitter | None = None
 
     def __iter__(self) -> Iterator[TelemetryRecord | BadLine | IncompleteLine]:
+        for pieces in self.batches():
+            for piece in pieces:
+                parsed = piece if isinstance(piece, BadLine) else parse_line(*piece)
+                if parsed is not None:
+                    yield parsed
+        ending = self.ending()
+        if ending is not None:
+            yield ending
+
+    def batches(self) -> Iterator[list[tuple[int, bytes] | BadLine]]:
+        """The file's complete lines, one chunk's worth at a time, as
+        :meth:`LineSplitter.feed` hands them out (for a caller that parses them
+        its own way); then :meth:`ending` judges an unfinished last line."""
         fd = open_telemetry(self.path)
-        splitter = LineSplitter()
+        self._splitter = splitter = LineSplitter()
         try:
             while chunk := os.read(fd, CHUNK_BYTES):
-                for item in splitter.feed(chunk):
-                    parsed = item if isinstance(item, BadLine) else parse_line(*item)
-                    if parsed is not None:
-                        yield parsed
+                yield splitter.feed(chunk)
                 self.lines = splitter.line_number
         except OSError as error:
             raise TelemetryUnreadable(f"{self.path}: {error.strerror or error}") from None
         finally:
             os.close(fd)
-        if splitter.pending.strip():
-            self.lines += 1
-            yield finish(splitter)
+
+    def ending(self) -> TelemetryRecord | BadLine | IncompleteLine | None:
+        """After :meth:`batches`: the unfinished last line, judged (see
+        :func:`finish`), or None when the file ends with a newline."""
+        splitter = self._splitter
+        if splitter is None or not splitter.pending.strip():
+            return None
+        self.lines += 1
+        return finish(splitter)
 
 
 def read_telemetry(path: Path | str) -> TelemetryReader:

@@ -1,4 +1,6 @@
-"""One telemetry line: the frozen record, its JSON document, and the strict parser.
+"""One telemetry line: the frozen record, its JSON document, the strict parser,
+and the fast path's decoder for the uneventful line (watch counts most lines
+with it, building no record).
 
 The line format is ``nanrunbook-telemetry/1``: one JSON object per line, appended
 once per training step (and per rank), with these fields in this order::
@@ -25,20 +27,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
+import msgspec
 import orjson
 
 from nanrunbook.dtypes import DTYPES
 
 __all__ = [
+    "COMMON_LINE",
     "LOSS_CLASSES",
     "TELEMETRY_FORMAT",
+    "CommonLine",
     "GradientStats",
     "TelemetryLineError",
     "TelemetryRecord",
     "TelemetryWarning",
     "UpdateStats",
+    "common_line",
     "headroom_bits",
     "loss_fields",
     "parse_record",
@@ -433,6 +439,81 @@ def _common_update(u: Any) -> UpdateStats | bool:
     return _filled(
         UpdateStats, {"nan": nan, "posinf": posinf, "neginf": neginf, "max_abs": max_abs}
     )
+
+
+# ------------------------------------------------------------ the fast path
+
+# The uneventful line (a finite loss, all counts 0, no warning, neither skipped
+# nor held, no field this version does not know) as msgspec types: decoding a
+# line into them checks it in C, about 0.7x the time orjson takes only to
+# decode it (measured), where checking orjson's dict in Python costs as much
+# again as the decoding. Anything else fails to decode and goes to
+# parse_record. Unknown fields are refused, not skipped: msgspec skips an
+# unknown value without checking what orjson checks (UTF-8, numbers in range),
+# and every value it does check it checks as orjson does (a property test holds
+# the two parsers together). gc=False: they hold no container, so no cycle, and
+# a million of them otherwise keep the cyclic collector busy (a fifth of watch's
+# time, measured).
+_Zero = Literal[0]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+
+
+class CommonGradient(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    nan: _Zero
+    posinf: _Zero
+    neginf: _Zero
+    max_abs: float | None
+    dtype: _Name | None
+    headroom_bits: float | None
+    norm: float | None
+
+
+class CommonUpdate(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    nan: _Zero
+    posinf: _Zero
+    neginf: _Zero
+    max_abs: float | None
+
+
+class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """An uneventful line, decoded by :data:`COMMON_LINE` (rank < world_size is
+    still to be checked: msgspec does not relate two fields)."""
+
+    format: Literal["nanrunbook-telemetry/1"]
+    run_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    rank: _Count
+    world_size: _Count
+    step: _Count
+    time: float
+    loss: float
+    loss_class: Literal["finite"]
+    grad: CommonGradient
+    update: CommonUpdate | None
+    scale: float | None
+    found_inf: bool | None
+    skipped: Literal[False]
+    held: Literal[False]
+    warnings: tuple[()]
+    bundle: str | None
+    # Fields the sentinel appends (nanrunbook.capture): sampled activations make
+    # a line eventful enough for the full parse.
+    activations: None = None
+    lr: float | None = None
+
+
+COMMON_LINE = msgspec.json.Decoder(CommonLine)
+
+
+def common_line(raw: bytes) -> CommonLine | None:
+    """The line decoded the fast way when it is an uneventful record, else None
+    (:func:`parse_record` then judges it). Where this answers, parse_record
+    accepts the line with the same values."""
+    try:
+        line = COMMON_LINE.decode(raw)
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    return line if line.rank < line.world_size else None
 
 
 def _checked_record(document: dict[str, Any]) -> TelemetryRecord:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Downsampler", "SeriesBucket"]
 
@@ -71,8 +72,8 @@ class Downsampler:
             raise ValueError("capacity must be an even number of at least 2")
         self.capacity = capacity
         self.width = 1
-        self._records = 0
         self._buckets: list[list[float]] = []
+        self._room = 0  # records the last bucket still takes
 
     def add(
         self,
@@ -81,19 +82,12 @@ class Downsampler:
         grad_max_abs: float | None,
         headroom: float | None,
         scale: float | None,
-        skipped: bool,
-        held: bool,
-        nonfinite: bool,
+        skipped: bool = False,
+        held: bool = False,
+        nonfinite: bool = False,
     ) -> None:
-        index = self._records // self.width
-        if index == len(self._buckets):
-            if index == self.capacity:
-                self._halve()
-                index = self._records // self.width
-            if index == len(self._buckets):
-                self._buckets.append(_new(step))
-        bucket = self._buckets[index]
-        self._records += 1
+        bucket = self._buckets[-1] if self._room else self._start(step)
+        self._room -= 1
         bucket[_LAST] = step
         bucket[_N] += 1
         # Plain comparisons, not min()/max(): this runs once per line.
@@ -115,6 +109,41 @@ class Downsampler:
             bucket[_SKIP] += skipped
             bucket[_HELD] += held
             bucket[_NONF] += nonfinite
+
+    def extend(
+        self,
+        steps: list[int],
+        losses: list[float],
+        grad_max_abs: list[float | None],
+        headroom: list[float | None],
+        scales: list[float | None],
+    ) -> None:
+        """As :meth:`add` for each record in turn (none skipped, held or
+        non-finite), a bucket's share at a time with min() and max()."""
+        done, total = 0, len(steps)
+        while done < total:
+            bucket = self._buckets[-1] if self._room else self._start(steps[done])
+            end = min(done + self._room, total)
+            self._room -= end - done
+            bucket[_LAST] = steps[end - 1]
+            bucket[_N] += end - done
+            for column, low, high in (
+                (losses, _LMIN, _LMAX),
+                (grad_max_abs, None, _GMAX),
+                (headroom, _HMIN, None),
+                (scales, _SMIN, _SMAX),
+            ):
+                _fold(bucket, column[done:end], low, high)
+            done = end
+
+    def _start(self, step: int) -> list[float]:
+        """A new last bucket (the last one is full), after merging when at capacity."""
+        if len(self._buckets) == self.capacity:
+            self._halve()
+        bucket = _new(step)
+        self._buckets.append(bucket)
+        self._room = self.width
+        return bucket
 
     def _halve(self) -> None:
         pairs = zip(self._buckets[0::2], self._buckets[1::2], strict=True)
@@ -139,3 +168,20 @@ class Downsampler:
             )
             for b in self._buckets
         )
+
+
+def _fold(bucket: list[float], values: list[Any], low: int | None, high: int | None) -> None:
+    """The extremes of ``values`` (None for no value) into ``bucket``, as add()'s
+    comparisons keep them: the first of equal extremes stays."""
+    if None in values:
+        values = [v for v in values if v is not None]
+        if not values:
+            return
+    if low is not None:
+        least = min(values)
+        if least < bucket[low]:
+            bucket[low] = least
+    if high is not None:
+        most = max(values)
+        if most > bucket[high]:
+            bucket[high] = most

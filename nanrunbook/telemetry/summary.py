@@ -25,11 +25,15 @@ documented in nanrunbook(1), WATCH):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from itertools import islice
+from operator import attrgetter, ge, lt
+from typing import Literal, cast
+
+import orjson
 
 from nanrunbook.exits import Exit
 from nanrunbook.telemetry.reader import BadLine, IncompleteLine
-from nanrunbook.telemetry.record import TelemetryRecord, headroom_bits
+from nanrunbook.telemetry.record import CommonLine, TelemetryRecord, headroom_bits, parse_record
 from nanrunbook.telemetry.series import Downsampler, SeriesBucket
 from nanrunbook.telemetry.trend import SlidingTrend
 
@@ -278,6 +282,38 @@ class _Rank:
 
 _OVERFLOW_RANK = -1  # ranks beyond MAX_RANKS share this state
 
+_RANK, _WORLD, _STEP, _SCALE = (attrgetter(n) for n in ("rank", "world_size", "step", "scale"))
+_RUN_ID, _BUNDLE, _LOSS, _GRAD = (attrgetter(n) for n in ("run_id", "bundle", "loss", "grad"))
+_HEADROOM, _MAX_ABS = attrgetter("headroom_bits"), attrgetter("max_abs")
+
+
+def _never_falls(scales: list[float | None], known: bool) -> bool:
+    """No loss-scale backoff within ``scales``: all None, or all known and not
+    decreasing, with some scale known before (the run's first against the
+    rank's last is _plain_start's)."""
+    if scales.count(None) == len(scales):
+        return True
+    if None in scales or not known:
+        return False
+    return all(map(ge, islice(scales, 1, None), scales))  # type: ignore[arg-type]
+
+
+class _Columns:
+    """A run of uneventful lines, column by column (built once, by map in C)."""
+
+    __slots__ = ("bits", "grads", "scales", "steps", "world")
+
+    def __init__(self, lines: list[CommonLine], world: int) -> None:
+        self.world = world
+        self.steps: list[int] = list(map(_STEP, lines))
+        self.scales: list[float | None] = list(map(_SCALE, lines))
+        self.grads = list(map(_GRAD, lines))
+        self.bits: list[float | None] = list(map(_HEADROOM, self.grads))
+
+    def steps_rise(self) -> bool:
+        steps = self.steps
+        return all(map(lt, steps, islice(steps, 1, None)))
+
 
 class Summariser:
     """Feed records in file order; ask for the summary at any time."""
@@ -302,6 +338,7 @@ class Summariser:
         self._world_size: int | None = None
         self._first: TelemetryRecord | None = None
         self._last: TelemetryRecord | None = None
+        self._last_raw: bytes | None = None  # the last record's line, when add_line counted it
         self._regressions = 0
         self._holds, self._skips, self._overflows = _Seen(), _Seen(), _Seen()
         self._backoffs, self._nonfinite = _Seen(), _Seen()
@@ -350,8 +387,123 @@ class Summariser:
             part is not None,
         )
         state.step = step
-        self._last = record
+        self._last, self._last_raw = record, None
         return events
+
+    def add_line(self, line: CommonLine, raw: bytes) -> bool:
+        """Count an uneventful line (:func:`common_line` decoded it from ``raw``)
+        quietly, as :meth:`add` would count its record, without building one;
+        False, with nothing counted, for a line :meth:`add` must see: a rank
+        not seen before or past the rank bound, a headroom warning, or
+        rank >= world_size."""
+        step, rank, grad = line.step, line.rank, line.grad
+        if self.since is not None and step < self.since:
+            if rank >= line.world_size:
+                return False
+            self.before_since += 1
+            return True
+        state = self._ranks.get(rank)
+        headroom = grad.headroom_bits
+        bits = headroom if headroom is not None else headroom_bits(grad.max_abs, grad.dtype)
+        if state is None or (bits is not None and bits < 1.0) or rank >= line.world_size:
+            return False
+        self.records += 1
+        if line.run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
+            self._run_ids[line.run_id] = None
+        if line.world_size > self._world_size:  # type: ignore[operator]  # set by add(), first
+            self._world_size = line.world_size
+        if state.step is not None and step < state.step:
+            self._regressions += 1
+        if state.skips.length:  # not skipped: the streak ends
+            self._skip_best = state.skips.extend(False, step, rank, self._skip_best)
+        scale, bundle = line.scale, line.bundle
+        if scale is not None:
+            self._scale_seen(state, scale, step, rank)
+        if bundle is not None and len(self._bundles) < MAX_RUN_IDS:
+            self._bundles[bundle] = None
+        if bits is not None:
+            self._trend(state, step, bits, grad.dtype or "unknown dtype", None)
+        self._series.add(step, line.loss, grad.max_abs, bits, scale)
+        state.step = step
+        self._last, self._last_raw = None, raw
+        return True
+
+    def add_lines(self, lines: list[CommonLine], last_raw: bytes) -> bool:
+        """Count a run of uneventful lines (``last_raw`` is the last one's text)
+        at once, as :meth:`add_line` would one by one; False, with nothing
+        counted, unless the run is plain: one rank already seen, whose steps
+        rise past its last and whose loss scale never falls, headroom of at
+        least 1 bit that provably cannot trip HEADROOM_FALLING, no bundle."""
+        state = self._plain_start(lines)
+        run = None if state is None else self._plain_run(lines, state)
+        if state is None or run is None:
+            return False
+        self.records += len(lines)
+        for run_id in dict.fromkeys(map(_RUN_ID, lines)):
+            if run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
+                self._run_ids[run_id] = None
+        if run.world > self._world_size:  # type: ignore[operator]  # set by add(), first
+            self._world_size = run.world
+        scales, bits = run.scales, run.bits
+        if scales[-1] is not None:  # then all are (_plain_run), and one was before
+            known = cast("list[float]", scales)
+            kept = self._scale
+            assert kept is not None
+            kept[1] = state.scale = known[-1]
+            kept[2] = min(kept[2], min(known))
+            kept[3] = max(kept[3], max(known))
+        if bits[-1] is not None:  # then all are
+            state.dtype = lines[-1].grad.dtype or "unknown dtype"
+            state.trend.extend(run.steps, cast("list[float]", bits))
+            state.falling = False
+        losses, max_abs = list(map(_LOSS, lines)), list(map(_MAX_ABS, run.grads))
+        self._series.extend(run.steps, losses, max_abs, bits, scales)
+        state.step = run.steps[-1]
+        self._last, self._last_raw = None, last_raw
+        return True
+
+    def _plain_start(self, lines: list[CommonLine]) -> _Rank | None:
+        """For add_lines: the rank's state when the first line leaves nothing to
+        say (no streak ends, no backoff, no regression, not before --since)."""
+        first = lines[0]
+        state = self._ranks.get(first.rank)
+        if state is None or state.skips.length or state.backoffs.length or len(lines) < 2:
+            return None
+        step, scale = first.step, first.scale
+        if (
+            (state.step is not None and step <= state.step)
+            or (self.since is not None and step < self.since)
+            or (scale is not None and state.scale is not None and scale < state.scale)
+        ):
+            return None
+        return state
+
+    def _plain_run(self, lines: list[CommonLine], state: _Rank) -> _Columns | None:
+        """For add_lines: the run's columns when every line is plain, or None."""
+        rank = lines[0].rank
+        ranks, worlds = list(map(_RANK, lines)), list(map(_WORLD, lines))
+        bundles = list(map(_BUNDLE, lines))
+        if (
+            ranks.count(rank) != len(ranks)
+            or min(worlds) <= rank
+            or bundles.count(None) != len(bundles)
+        ):
+            return None
+        run = _Columns(lines, max(worlds))
+        if not _never_falls(run.scales, self._scale is not None) or not run.steps_rise():
+            return None
+        bits = run.bits
+        if None in bits:
+            # Unknown headroom (no trend) only with no magnitude to derive it from.
+            known = list(map(_MAX_ABS, run.grads))
+            plain = bits.count(None) == len(bits) == known.count(None)
+            return run if plain else None
+        least: float = min(bits)  # type: ignore[type-var, assignment]
+        if least < 1.0:
+            return None
+        steepest = state.trend.steepest(run.steps, bits, TREND_MIN_POINTS)  # type: ignore[arg-type]
+        # The trend might warn on some line when it could be that steep: add_line says where.
+        return run if steepest * self.window < least else None
 
     def add_bad(self, bad: BadLine) -> WatchEvent:
         self.bad_lines += 1
@@ -396,8 +548,10 @@ class Summariser:
                 self._overflows.add(step)
         if skipped or state.skips.length:  # a streak to extend or to end
             self._skip_best = state.skips.extend(skipped, step, rank, self._skip_best)
-        if scale is None:
-            return
+        if scale is not None:
+            self._scale_seen(state, scale, step, rank)
+
+    def _scale_seen(self, state: _Rank, scale: float, step: int, rank: int) -> None:
         backoff = state.scale is not None and scale < state.scale
         if backoff:
             self._backoffs.add(step)
@@ -457,43 +611,43 @@ class Summariser:
                     f"gradient max abs {grad.max_abs:.6g} is {bits:.2f} bits below the {dtype} max"
                 )
                 self._warn(code, step, message, "watch", events)
-        state.dtype = dtype
-        state.trend.add(step, bits)
-        falling = self._falling(state.trend, bits)
-        if falling is not None:
-            slope, steps = falling
-            message = (
-                f"gradient headroom {bits:.1f} bits ({dtype}), falling {-slope:.2f} bits/step:"
-                f" the dtype's max in about {steps:.0f} steps at this rate"
-            )
-            self._warn(
-                "HEADROOM_FALLING", step, message, "watch", None if state.falling else events
-            )
-        state.falling = falling is not None
+        self._trend(state, step, bits, dtype, events)
         return bits
 
-    def _falling(self, trend: SlidingTrend, bits: float) -> tuple[float, float] | None:
-        """(slope, steps to 0 bits) when the trend warns, else None."""
-        if len(trend.points) < TREND_MIN_POINTS:
-            return None
-        slope = trend.slope()
-        if slope is None or slope >= 0 or -slope * trend.span() < TREND_MIN_DROP_BITS:
-            return None
-        steps = bits / -slope
-        return (slope, steps) if steps <= self.window else None
+    def _trend(
+        self, state: _Rank, step: int, bits: float, dtype: str, events: list[WatchEvent] | None
+    ) -> None:
+        """The headroom into its rank's trend; HEADROOM_FALLING when it warns."""
+        state.dtype = dtype
+        trend = state.trend
+        slope = trend.add(step, bits)
+        # Falling: the line reaches 0 bits within the window, having dropped
+        # TREND_MIN_DROP_BITS over it, seen through at least TREND_MIN_POINTS.
+        if (
+            slope is None or slope >= 0 or len(trend) < TREND_MIN_POINTS
+            or -slope * trend.span() < TREND_MIN_DROP_BITS or bits / -slope > self.window
+        ):  # fmt: skip
+            state.falling = False
+            return
+        message = (
+            f"gradient headroom {bits:.1f} bits ({dtype}), falling {-slope:.2f} bits/step:"
+            f" the dtype's max in about {bits / -slope:.0f} steps at this rate"
+        )
+        self._warn(
+            "HEADROOM_FALLING", step, message, "watch", events if not state.falling else None
+        )
+        state.falling = True
 
     # ------------------------------------------------------------ freezing
 
     def _headroom(self) -> HeadroomTrend | None:
         """The trend of the rank whose last headroom is least."""
-        candidates = [
-            (s.trend.points[-1][1], r, s) for r, s in self._ranks.items() if s.trend.points
-        ]
+        candidates = [(s.trend.ys[-1], r, s) for r, s in self._ranks.items() if s.trend.ys]
         if not candidates:
             return None
         _, rank, state = min(candidates, key=lambda c: (c[0], c[1]))
         trend = state.trend
-        values = [v for _, v in trend.points]
+        values = list(trend.ys)
         slope = trend.slope()
         last = values[-1]
         to_zero = last / -slope if slope is not None and slope < 0 else None
@@ -511,6 +665,8 @@ class Summariser:
     def summary(self, lines: int = 0) -> WatchSummary:
         """The summary so far; ``lines`` is how many lines the reader has read."""
         first, last = self._first, self._last
+        if self._last_raw is not None:
+            last = parse_record(orjson.loads(self._last_raw))
         tallies = sorted(self._tallies.values(), key=lambda t: (t.first, t.code))
         return WatchSummary(
             path=self.path,

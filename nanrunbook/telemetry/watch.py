@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from nanrunbook.telemetry.follow import Follower, FollowNotice
-from nanrunbook.telemetry.reader import BadLine, IncompleteLine, TelemetryReader
-from nanrunbook.telemetry.record import TelemetryRecord
+from nanrunbook.telemetry.reader import BadLine, IncompleteLine, TelemetryReader, parse_line
+from nanrunbook.telemetry.record import COMMON_LINE, CommonLine, TelemetryRecord
 from nanrunbook.telemetry.summary import DEFAULT_WINDOW, Summariser, WatchEvent, WatchSummary
 
-__all__ = ["FollowInterrupted", "consume", "follow", "summarise_file"]
+__all__ = ["FollowInterrupted", "consume", "count_lines", "follow", "summarise_file"]
 
 
 class FollowInterrupted(KeyboardInterrupt):
@@ -29,12 +32,65 @@ def summarise_file(
     Raises TelemetryUnreadable when the path cannot be read at all."""
     summariser = Summariser(str(path), since=since, window=window)
     reader = TelemetryReader(path)
-    for item in reader:
-        if isinstance(item, IncompleteLine):
-            summariser.add_incomplete(item)
-        else:
-            consume(summariser, item)
+    for pieces in reader.batches():
+        count_lines(summariser, pieces)
+    ending = reader.ending()
+    if isinstance(ending, IncompleteLine):
+        summariser.add_incomplete(ending)
+    elif ending is not None:
+        consume(summariser, ending)
     return summariser.summary(lines=reader.lines)
+
+
+def count_lines(summariser: Summariser, pieces: list[tuple[int, bytes] | BadLine]) -> None:
+    """Count whole lines quietly. Runs of uneventful lines (:data:`COMMON_LINE`
+    decodes them) are counted the fast way, a run at once where
+    :meth:`Summariser.add_lines` can, else line by line (:meth:`~Summariser.add_line`);
+    every other line is parsed and judged as :func:`parse_line` does, so that
+    its record, or its bad line, is the same."""
+    decode, refused = COMMON_LINE.decode, msgspec.DecodeError
+    run: list[CommonLine] = []
+    start = 0  # of the run in pieces
+    for piece in pieces:
+        if type(piece) is tuple:
+            try:
+                run.append(decode(piece[1]))
+                continue
+            except refused:
+                pass
+        if run:
+            _count_run(summariser, run, pieces, start)
+        start += len(run) + 1
+        run = []
+        _count_strictly(summariser, piece)
+    if run:
+        _count_run(summariser, run, pieces, start)
+
+
+def _count_run(
+    summariser: Summariser, run: list[CommonLine], pieces: list[Any], start: int
+) -> None:
+    """``run`` decoded from ``pieces[start:]``, one line each. What keeps a run
+    from being plain sits mostly at its start (the streak a skipped step left,
+    the backoff after it): a few lines one by one, then the rest at once."""
+    last_raw = pieces[start + len(run) - 1][1]
+    for done, line in enumerate(run):
+        if done <= _RETRIES and summariser.add_lines(run[done:], last_raw):
+            return
+        if not summariser.add_line(line, pieces[start + done][1]):
+            _count_strictly(summariser, pieces[start + done])
+
+
+_RETRIES = 3
+
+
+def _count_strictly(summariser: Summariser, piece: tuple[int, bytes] | BadLine) -> None:
+    if isinstance(piece, BadLine):
+        summariser.add_bad(piece)
+        return
+    parsed = parse_line(*piece)
+    if parsed is not None:
+        consume(summariser, parsed)
 
 
 Item = TelemetryRecord | BadLine | FollowNotice
