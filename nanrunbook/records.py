@@ -344,6 +344,8 @@ def _builder(cls: type[Any]) -> type[Any]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__} is not a frozen slots dataclass")
+    if hasattr(cls, "__post_init__"):  # the builder would skip it
+        raise TypeError(f"{cls.__name__} checks its fields in __post_init__")
     names = [f.name for f in fields(cls)]
     builder = make_dataclass(f"_{cls.__name__}Builder", names, slots=True, eq=False)
     # The same slots in the same order, or the class could not be changed.

@@ -230,7 +230,15 @@ def test_frozen_records_refuses_other_classes() -> None:
     class NoSlots:
         x: int
 
-    for cls in (Mutable, NoSlots, int):
+    @dataclass(frozen=True, slots=True)
+    class Checked:
+        x: int
+
+        def __post_init__(self) -> None:
+            if self.x < 0:
+                raise ValueError("negative")
+
+    for cls in (Mutable, NoSlots, Checked, int):
         with pytest.raises(TypeError):
             frozen_records(cls, list(range(300)))
 
