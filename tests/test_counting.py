@@ -459,3 +459,22 @@ def test_batchable_dtypes_are_the_whole_byte_ones() -> None:
         for name, d in DTYPES.items()
         if d.kind != "complex" and (d.format is None or d.format.bits % 8 == 0)
     } == BATCHABLE
+
+
+@pytest.mark.parametrize("dtype", sorted(BATCHABLE))
+def test_many_segments_match_one_counter_each(dtype: str) -> None:
+    # Past a few hundred tensors the records are built in bulk (records.frozen_records).
+    width = max(1, DTYPES[dtype].bits // 8)
+    rng = np.random.default_rng(len(dtype))
+    sizes = [int(n) * width for n in rng.integers(1, 9, 700)]
+    data = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    data[::5] = 0  # zeros and subnormals too
+    blob = data.tobytes()
+    got = count_segments(dtype, blob, sizes)
+    start = 0
+    for size, (tally, extremes) in zip(sizes, got, strict=True):
+        counter = Counter(dtype)
+        counter.feed(blob[start : start + size])
+        start += size
+        assert repr((tally, extremes)) == repr((counter.result(), counter.extremes()))
+        assert type(tally) is Tally

@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nanrunbook.dtypes import DTYPES, DType, FloatFormat
-from nanrunbook.records import Counts, Extremes
+from nanrunbook.records import Counts, Extremes, frozen_records
 
 __all__ = [
     "BATCHABLE",
@@ -632,48 +632,32 @@ class _Segments:
         # The signed minimum and maximum, as Counter's _Span.extremes takes them.
         low = np.where(has_neg, -self._decoded(self.neg_hi), self._decoded(self.pos_lo))
         high = np.where(has_pos, self._decoded(self.pos_hi), -self._decoded(self.neg_lo))
-        nonzero = self._decoded(self.nonzero_lo)
-        columns = zip(
+        present = (has_pos | has_neg).tolist()
+        finite = self.finite.tolist()
+        # Records in bulk, a column at a time: thousands of tensors per batch.
+        extremes = frozen_records(
+            Extremes,
+            finite,
+            _where(present, low.tolist()),
+            _where(present, high.tolist()),
+            _where((self.nonzero_lo != _NO_CODE).tolist(), self._decoded(self.nonzero_lo).tolist()),
+            self.zeros.tolist(),
+            self.subnormals.tolist(),
+        )
+        tallies = frozen_records(
+            Tally,
             elements,
-            self.finite.tolist(),
+            finite,
             self.nan.tolist(),
             self.posinf.tolist(),
             self.neginf.tolist(),
-            (has_pos | has_neg).tolist(),
-            low.tolist(),
-            high.tolist(),
-            (self.nonzero_lo != _NO_CODE).tolist(),
-            nonzero.tolist(),
-            self.zeros.tolist(),
-            self.subnormals.tolist(),
-            strict=True,
+            _where(present, np.maximum(np.abs(low), np.abs(high)).tolist()),
         )
-        out: list[tuple[Tally, Extremes | None]] = []
-        for (
-            count,
-            finite,
-            nan,
-            posinf,
-            neginf,
-            any_value,
-            lo,
-            hi,
-            any_nonzero,
-            nz,
-            zeros,
-            sub,
-        ) in columns:
-            extremes = Extremes(
-                finite,
-                lo if any_value else None,
-                hi if any_value else None,
-                nz if any_nonzero else None,
-                zeros,
-                sub,
-            )
-            max_abs = max(abs(lo), abs(hi)) if any_value else None
-            out.append((Tally(count, finite, nan, posinf, neginf, max_abs), extremes))
-        return out
+        return list(zip(tallies, extremes, strict=True))
+
+
+def _where(present: list[bool], values: list[float]) -> list[float | None]:
+    return [value if there else None for there, value in zip(present, values, strict=True)]
 
 
 _NO_CODE = np.iinfo(np.int64).max  # above every finite code: "no such value"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from nanrunbook.dtypes import WHOLE_ELEMENTS_BYTES
-from nanrunbook.records import Extremes
+from nanrunbook.records import Extremes, frozen_records
 from nanrunbook.tensors.counting import BATCHABLE, Counter, Tally, count_segments
 
 __all__ = [
@@ -397,8 +397,14 @@ def _scan_batch(jobs: Sequence[ScanJob], unit: _Unit) -> list[TensorScan | Excep
     for dtype, positions in by_dtype.items():
         pieces = [_piece(view, jobs[unit.members[p]], unit.offset) for p in positions]
         counted = count_segments(dtype, b"".join(pieces), [len(piece) for piece in pieces])
-        for position, piece, (tally, extremes) in zip(positions, pieces, counted, strict=True):
-            results[position] = TensorScan(hashlib.sha256(piece).hexdigest(), tally, extremes)
+        scans = frozen_records(
+            TensorScan,
+            [hashlib.sha256(piece).hexdigest() for piece in pieces],
+            [tally for tally, _ in counted],
+            [extremes for _, extremes in counted],
+        )
+        for position, scan in zip(positions, scans, strict=True):
+            results[position] = scan
     return results
 
 

@@ -20,6 +20,7 @@ from nanrunbook.records import (
     StageRecord,
     TensorEntry,
     TensorFinding,
+    frozen_records,
 )
 from nanrunbook.tensors.counting import combine
 from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
@@ -312,16 +313,34 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         tensors = tuple(TensorFinding(entry, None, None) for entry in stage.tensors)
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tensors)
     read = [scans.get(entry.name) for entry in stage.tensors]
-    findings = tuple(
-        # None: not read, and a file-level violation is already reported
-        TensorFinding(entry, None, None)
-        if scan is None
-        else TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes)
-        for entry, scan in zip(stage.tensors, read, strict=True)
-    )
-    if None in read:
+    if None in read:  # not read: a file-level violation is already reported
+        findings = tuple(
+            TensorFinding(entry, None, None)
+            if scan is None
+            else TensorFinding(entry, scan.tally.counts, scan.tally.max_abs, scan.extremes)
+            for entry, scan in zip(stage.tensors, read, strict=True)
+        )
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, findings)
-    total = combine(scan.tally for scan in read if scan is not None)
+    tallies = [scan.tally for scan in read if scan is not None]
+    # Records in bulk, a column at a time: a stage may hold thousands of tensors.
+    counts = frozen_records(
+        Counts,
+        [t.elements for t in tallies],
+        [t.finite for t in tallies],
+        [t.nan for t in tallies],
+        [t.posinf for t in tallies],
+        [t.neginf for t in tallies],
+    )
+    findings = tuple(
+        frozen_records(
+            TensorFinding,
+            stage.tensors,
+            counts,
+            [t.max_abs for t in tallies],
+            [scan.extremes for scan in read if scan is not None],
+        )
+    )
+    total = combine(tallies)
     return StageFinding(stage, total.counts, "recounted", total.max_abs, findings)
 
 
