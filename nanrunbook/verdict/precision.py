@@ -178,7 +178,10 @@ def _largest(stage: StageFinding, with_compute: bool) -> list[tuple[int, bool]]:
         extremes = tensor.extremes
         if extremes is None or tensor.counts is None:
             continue
-        max_abs = extremes.max_abs
+        high, low = extremes.max, extremes.min
+        if high is None or low is None:
+            continue
+        max_abs = high if high >= -low else -low  # extremes.max_abs, without the call
         if not max_abs:
             continue
         dtype = tensor.entry.dtype
@@ -244,19 +247,27 @@ def early_warnings(
     # record is built for such a tensor, the common case in a big bundle.
     near = math.pow(2.0, limits.near_max_bits)
     found: list[EarlyWarning] = []
-    for stage, index, tensor, extremes in _measured(report):
-        max_abs = extremes.max_abs
+    for stage in report.stages:
         against = compute if stage.stage in COMPUTE_STAGES else None
-        warned: list[tuple[str, str]] = []
-        if max_abs and (
-            max_abs * near >= _LIMITS[tensor.entry.dtype].max_finite
-            or (against is not None and max_abs * near >= against.max_finite)
-        ):
-            warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
-        if stage.stage == _GRADIENT_STAGE:
-            warned += _underflow_warnings(tensor, limits, scale)
-        for code, message in warned:
-            found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
+        gradients = stage.stage == _GRADIENT_STAGE
+        for index, tensor in enumerate(stage.tensors):
+            extremes = tensor.extremes
+            if extremes is None or tensor.counts is None:
+                continue
+            high, low = extremes.max, extremes.min
+            warned: list[tuple[str, str]] = []
+            if high is not None and low is not None:
+                top = _LIMITS[tensor.entry.dtype].max_finite
+                if against is not None:
+                    top = min(top, against.max_finite)
+                # max_abs * near >= top, without making max_abs: one side is max_abs
+                if high * near >= top or -low * near >= top:
+                    room = _tensor_headroom(stage, index, tensor, compute)
+                    warned = _range_warnings(room, limits)
+            if gradients:
+                warned += _underflow_warnings(tensor, limits, scale)
+            for code, message in warned:
+                found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
     return tuple(found)
 
 
