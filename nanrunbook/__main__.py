@@ -1,3 +1,3 @@
-from nanrunbook.cli import entry_point
+from nanrunbook.cli import main
 
-entry_point()
+main()

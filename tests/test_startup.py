@@ -130,3 +130,22 @@ def test_other_commands_load_no_telemetry_or_plotting() -> None:
     assert code == 0
     assert "plotille" not in tops(modules)
     assert not {"nanrunbook.telemetry.sinks", "nanrunbook.telemetry.summary"} & modules
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "err"), [("None", 0, ""), ("5", 5, ""), ("'boom'", 1, "boom\n")]
+)
+def test_the_program_exits_with_the_commands_status(stop: str, code: int, err: str) -> None:
+    # main() ends the process with os._exit after flushing: the status and the
+    # output written before must survive it, as SystemExit's own rules give them.
+    probe = (
+        "import importlib\n"
+        "app = importlib.import_module('nanrunbook.cli.app')\n"
+        "def command():\n"
+        "    print('written before')\n"
+        f"    raise SystemExit({stop})\n"
+        "app.entry_point = command\n"
+        "app.main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (code, "written before\n", err)

@@ -23,6 +23,6 @@ from nanrunbook.cli import (  # noqa: F401  (each registers its commands)
     seal,
     watch,
 )
-from nanrunbook.cli.app import app, entry_point
+from nanrunbook.cli.app import app, entry_point, main
 
-__all__ = ["app", "entry_point"]
+__all__ = ["app", "entry_point", "main"]
