@@ -125,6 +125,18 @@ def nanrunbook_argv() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "nanrunbook"]
 
 
+def baseline_argv(tree: Path) -> list[str]:
+    """The baseline tree's own program: ``python -P -m nanrunbook`` (``-P``: not the
+    current directory first, so PYTHONPATH picks the tree), whatever entry point
+    the installed script names. Checked to import from ``tree``."""
+    argv = [sys.executable, "-P", "-m", "nanrunbook"]
+    probe = [sys.executable, "-P", "-c", "import nanrunbook; print(nanrunbook.__file__)"]
+    found = subprocess.run(probe, env=tree_env(tree), capture_output=True, text=True).stdout
+    if not Path(found.strip()).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"--baseline {tree}: nanrunbook imports from {found.strip()!r}")
+    return argv
+
+
 def torch_available() -> bool:
     probe = [sys.executable, "-c", "import torch, safetensors.torch"]
     return subprocess.run(probe, capture_output=True).returncode == 0
@@ -155,7 +167,7 @@ def build_commands(bundle: Path, args: argparse.Namespace) -> list[Command]:
         Command("library", [sys.executable, "-c", LIBRARY, str(bundle)], 1, mine),
     ]
     if args.baseline:
-        base_argv = [*check, "check", "--format", "kv", str(bundle)]
+        base_argv = [*baseline_argv(args.baseline), "check", "--format", "kv", str(bundle)]
         commands.append(Command("base", base_argv, 1, tree_env(args.baseline.resolve())))
     if args.no_torch:
         print("torch baseline skipped (--no-torch)")
@@ -179,8 +191,9 @@ def manifest_commands(args: argparse.Namespace) -> list[Command]:
     ]
     if args.baseline:
         base = tree_env(args.baseline.resolve())
-        commands.append(Command("many-base", [*check, str(many)], 1, base))
-        commands.append(Command("few-base", [*check, str(few)], 1, base))
+        base_check = [*baseline_argv(args.baseline), "check", "--format", "kv"]
+        commands.append(Command("many-base", [*base_check, str(many)], 1, base))
+        commands.append(Command("few-base", [*base_check, str(few)], 1, base))
     print(f"many       {many} ({(many / 'manifest.json').stat().st_size / 1e6:.1f} MB manifest)")
     print(f"few        {few}")
     return commands
