@@ -55,10 +55,16 @@ class Renderer(ABC):
     def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
         """Several paths judged each on its own (``check A/ B/ C/``), in the order given."""
 
-    @abstractmethod
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         """One bundle's report or rejection; in json a rejection carries what the
         rejected manifest declares (so ``merge`` can place its rank)."""
+        if judgement.report is not None:
+            self.report(judgement.report, out)
+        else:
+            assert judgement.rejection is not None
+            self.rejection(
+                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
+            )
 
     @abstractmethod
     def diff(self, result: Comparison | ComparisonRejected, out: IO[str]) -> None:

@@ -22,7 +22,6 @@ from nanrunbook.verdict.incident_set import (
     SetViolation,
     rank_list,
 )
-from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
@@ -187,15 +186,6 @@ class KvRenderer(Renderer):
                 self.judgement(outcome, one)
             lines += [f"{position}.{line}" for line in one.getvalue().splitlines()]
         _write(lines, out)
-
-    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
-        if judgement.report is not None:
-            self.report(judgement.report, out)
-        else:
-            assert judgement.rejection is not None
-            self.rejection(
-                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
-            )
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from nanrunbook.output.watch_kv import summary_lines

@@ -27,7 +27,6 @@ from nanrunbook.verdict.incident_set import (
     SetViolation,
     rank_list,
 )
-from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
@@ -259,15 +258,6 @@ class TextRenderer(Renderer):
         tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
         code = most_severe(o.exit_code for o in outcomes)
         console.print(Text(f"{len(outcomes)} checked: {tally}; exit {code}, the most severe"))
-
-    def judgement(self, judgement: Judgement, out: IO[str]) -> None:
-        if judgement.report is not None:
-            self.report(judgement.report, out)
-        else:
-            assert judgement.rejection is not None
-            self.rejection(
-                judgement.rejection, judgement.bundle, judgement.contract_content_id, out
-            )
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from rich.text import Text
