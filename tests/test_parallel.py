@@ -222,8 +222,10 @@ def test_short_read_and_os_error_are_per_job_results() -> None:
             ScanJob(-5, 0, 8, "F32"),  # a bad descriptor
             ScanJob(fd, 128, 128, "F32"),
         ]
-        for workers in (1, 3):
-            got = scan_all(jobs, workers=workers, chunk_size=24)
+        # chunk_size=24 scans each job alone; the default batches these small ones,
+        # and a batch whose read fails falls back to one scan per member.
+        for workers, chunk in ((1, 24), (3, 24), (1, CHUNK_SIZE), (3, CHUNK_SIZE)):
+            got = scan_all(jobs, workers=workers, chunk_size=chunk)
             assert isinstance(got[1], ShortRead) and got[1].got == 56
             assert isinstance(got[3], OSError)
             for index, begin, end in ((0, 0, 64), (2, 64, 128), (4, 128, 256)):

@@ -283,13 +283,17 @@ def scan_all(
     would go idle while the last tensors are hashed, so those run overlapped: a
     helper thread reads and counts the next chunk while the worker hashes (with
     ``overlap="tail"``, the default; ``"never"`` and ``"always"`` exist to
-    measure the alternatives; ``workers=1`` never overlaps).
+    measure the alternatives; ``workers=1`` never overlaps). With the default
+    ``scan``, tensors of at most :data:`BATCH_TENSOR_BYTES` go in batches of
+    neighbours instead, one read each (:func:`_scan_batch`); a bundle of nothing
+    but tiny tensors is then scanned on one thread unless ``workers`` is given.
 
     Memory: each worker owns one buffer of ``chunk_size`` bytes (less when every
     job is shorter), a second one while it overlaps, and per tensor one scratch
     chunk for chunks that hold non-finite elements (plus, while such a chunk is
-    counted, a copy of its finite values): bounded by the workers and the chunk
-    size, whatever the size of the tensors.
+    counted, a copy of its finite values), or for a batch its own buffer of at
+    most :data:`BATCH_SPAN_BYTES` and its counting's scratch: bounded by the
+    workers and the chunk size, whatever the size of the tensors.
 
     An exception in the caller's thread while it waits (``KeyboardInterrupt``
     from Ctrl-C, or one raised by ``progress``) stops the workers at their next
@@ -383,12 +387,12 @@ def _scan_batch(jobs: Sequence[ScanJob], unit: _Unit) -> list[TensorScan | Excep
     dtype together (:func:`~.counting.count_segments`). A read that fails or ends
     early sends every member to :func:`scan_range`, so each gets its own error."""
     fd = jobs[unit.members[0]].fd
-    buffer = bytearray(unit.end - unit.offset)
-    view = memoryview(buffer)
+    view = memoryview(bytearray(unit.end - unit.offset))
     try:
-        if fill_view(fd, view, unit.offset) < len(buffer):
-            raise ShortRead(unit.offset, len(buffer), 0)
-    except (OSError, ShortRead):
+        filled = fill_view(fd, view, unit.offset)
+    except OSError:
+        filled = -1
+    if filled < len(view):
         return [_one_scan(jobs[k]) for k in unit.members]
     by_dtype: dict[str, list[int]] = {}
     for position, index in enumerate(unit.members):
@@ -500,7 +504,6 @@ class _Pool:
         progress: Callable[[int], None] | None,
     ) -> None:
         self.jobs = jobs
-        self.units = units
         self.plan = plan
         self.progress = progress
         self.results: list[TensorScan | Exception | None] = [None] * len(jobs)
