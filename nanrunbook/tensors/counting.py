@@ -614,7 +614,9 @@ class _Segments:
         return np.minimum.reduceat(np.where(where, mags, _NO_CODE), self.starts)
 
     def _decoded(self, codes: _Array) -> _Array:
-        """Exact float64 magnitudes of codes (any value for the no-code markers)."""
+        """Exact float64 magnitudes of codes (any value for the no-code markers):
+        :meth:`FloatFormat.decoder`'s arithmetic over an array (dtypes stays free
+        of numpy); the tests holding count_segments to Counter hold the two alike."""
         fmt = self.bits.fmt
         codes = np.where((codes < 0) | (codes == _NO_CODE), 0, codes)
         shift, low = fmt.mantissa_bits, (1 << fmt.mantissa_bits) - 1

@@ -26,7 +26,7 @@ Warnings and their thresholds (:class:`WarningThresholds`):
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -120,9 +120,12 @@ def _compute_limits(report: Report) -> _Limits | None:
     return _LIMITS.get(report.manifest.binding.compute_dtype)
 
 
-def _measured(report: Report) -> Iterator[tuple[StageFinding, int, TensorFinding, Extremes]]:
-    """Every recounted floating tensor with its extremes, in stage then capture order."""
-    for stage in report.stages:
+def _measured(
+    stages: Iterable[StageFinding],
+) -> Iterator[tuple[StageFinding, int, TensorFinding, Extremes]]:
+    """Every recounted floating tensor of ``stages`` with its extremes, in stage
+    then capture order."""
+    for stage in stages:
         for index, tensor in enumerate(stage.tensors):
             if tensor.extremes is not None and tensor.counts is not None:
                 yield stage, index, tensor, tensor.extremes
@@ -133,7 +136,7 @@ def headroom(report: Report) -> tuple[TensorHeadroom, ...]:
     compute = _compute_limits(report)
     return tuple(
         _tensor_headroom(stage, index, tensor, compute)
-        for stage, index, tensor, _ in _measured(report)
+        for stage, index, tensor, _ in _measured(report.stages)
     )
 
 
@@ -174,14 +177,8 @@ def _largest(stage: StageFinding, with_compute: bool) -> list[tuple[int, bool]]:
     and of the whole stage when ``with_compute``; in capture order, own limit first."""
     by_dtype: dict[str, tuple[float, int]] = {}
     overall: tuple[float, int] | None = None
-    for index, tensor in enumerate(stage.tensors):
-        extremes = tensor.extremes
-        if extremes is None or tensor.counts is None:
-            continue
-        high, low = extremes.max, extremes.min
-        if high is None or low is None:
-            continue
-        max_abs = high if high >= -low else -low  # extremes.max_abs, without the call
+    for _, index, tensor, extremes in _measured((stage,)):
+        max_abs = extremes.max_abs
         if not max_abs:
             continue
         dtype = tensor.entry.dtype
@@ -247,27 +244,19 @@ def early_warnings(
     # record is built for such a tensor, the common case in a big bundle.
     near = math.pow(2.0, limits.near_max_bits)
     found: list[EarlyWarning] = []
-    for stage in report.stages:
-        against = compute if stage.stage in COMPUTE_STAGES else None
-        gradients = stage.stage == _GRADIENT_STAGE
-        for index, tensor in enumerate(stage.tensors):
-            extremes = tensor.extremes
-            if extremes is None or tensor.counts is None:
-                continue
-            high, low = extremes.max, extremes.min
-            warned: list[tuple[str, str]] = []
-            if high is not None and low is not None:
-                top = _LIMITS[tensor.entry.dtype].max_finite
-                if against is not None:
-                    top = min(top, against.max_finite)
-                # max_abs * near >= top, without making max_abs: one side is max_abs
-                if high * near >= top or -low * near >= top:
-                    room = _tensor_headroom(stage, index, tensor, compute)
-                    warned = _range_warnings(room, limits)
-            if gradients:
-                warned += _underflow_warnings(tensor, limits, scale)
-            for code, message in warned:
-                found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
+    for stage, index, tensor, extremes in _measured(report.stages):
+        warned: list[tuple[str, str]] = []
+        max_abs = extremes.max_abs
+        if max_abs:
+            top = _LIMITS[tensor.entry.dtype].max_finite
+            if compute is not None and stage.stage in COMPUTE_STAGES:
+                top = min(top, compute.max_finite)
+            if max_abs * near >= top:
+                warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
+        if stage.stage == _GRADIENT_STAGE:
+            warned += _underflow_warnings(tensor, limits, scale)
+        for code, message in warned:
+            found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
     return tuple(found)
 
 
