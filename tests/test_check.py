@@ -19,7 +19,9 @@ import nanrunbook
 from nanrunbook import EvidenceRejected, check_bundle, decide
 from nanrunbook.capture import BundleWriter
 from nanrunbook.contract import ACTIONS, contract_content_id
-from nanrunbook.output.renderers import RENDERERS, TextRenderer, kv_where
+from nanrunbook.output.kv import kv_where
+from nanrunbook.output.renderers import RENDERERS
+from nanrunbook.output.text import TextRenderer
 from nanrunbook.records import Counts
 
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())

@@ -1507,7 +1507,7 @@ def test_cli_on_mutant_answers_0_1_or_3_cleanly(workdir: Path, mutant: Any, fmt:
     )
 )
 def test_kv_where_is_shell_safe_for_any_path(where: str) -> None:
-    from nanrunbook.output.renderers import kv_where
+    from nanrunbook.output.kv import kv_where
 
     CASES_RUN["kv_where"] += 1
     line = f"violation=SOME_CODE {kv_where(where)}"

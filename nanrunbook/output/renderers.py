@@ -10,29 +10,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
 
 from nanrunbook.output.base import Renderer
 
-if TYPE_CHECKING:
-    from nanrunbook.output.json import JsonRenderer
-    from nanrunbook.output.kv import KvRenderer, kv_where
-    from nanrunbook.output.text import TextRenderer
-
-__all__ = ["RENDERERS", "JsonRenderer", "KvRenderer", "Renderer", "TextRenderer", "kv_where"]
+__all__ = ["RENDERERS", "Renderer"]
 
 # format name -> (module, class) of its renderer
 _BY_NAME: dict[str, tuple[str, str]] = {
     "text": ("nanrunbook.output.text", "TextRenderer"),
     "json": ("nanrunbook.output.json", "JsonRenderer"),
     "kv": ("nanrunbook.output.kv", "KvRenderer"),
-}
-# names this module re-exports, imported on first use
-_EXPORTED = {
-    "TextRenderer": "nanrunbook.output.text",
-    "JsonRenderer": "nanrunbook.output.json",
-    "KvRenderer": "nanrunbook.output.kv",
-    "kv_where": "nanrunbook.output.kv",
 }
 
 
@@ -57,9 +44,3 @@ class _Renderers(Mapping[str, Renderer]):
 
 
 RENDERERS: Mapping[str, Renderer] = _Renderers()
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTED:
-        return getattr(importlib.import_module(_EXPORTED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
