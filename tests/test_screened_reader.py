@@ -30,6 +30,30 @@ from nanrunbook.tensors.safetensors import HEADER_JSON, HeaderEntry, read_header
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DIALECTS = [MANIFEST, HEADER_JSON]
+SCREEN_FROM_BYTES = strictjson.SCREEN_FROM_BYTES  # before screen_every_text lowers it
+
+
+@pytest.fixture(autouse=True)
+def screen_every_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parse_json screens only big texts; here every text takes the screened read."""
+    monkeypatch.setattr(strictjson, "SCREEN_FROM_BYTES", 0)
+
+
+def test_a_small_text_is_read_hooked_without_importing_msgspec() -> None:
+    """Below SCREEN_FROM_BYTES the hooked read answers, and msgspec (whose import
+    costs more than it would save) is never imported."""
+    import subprocess
+    import sys
+
+    manifest = FIXTURES / "hold-backward-dynamic-skip" / "manifest.json"
+    assert manifest.stat().st_size < SCREEN_FROM_BYTES
+    code = (
+        "import sys; from pathlib import Path; from nanrunbook import strictjson;"
+        f" parsed = strictjson.load_manifest(Path({str(manifest)!r}).read_bytes());"
+        " assert parsed.sorted_compact is None and not parsed.violations;"
+        " assert 'msgspec' not in sys.modules, 'msgspec imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def exact(value: Any) -> Any:
