@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from operator import attrgetter, is_, ne, sub
+from itertools import chain, repeat
+from operator import is_
 from pathlib import Path
 
 from nanrunbook.access import file_where, open_in_bundle
@@ -91,20 +91,6 @@ class _Bound:
         return f"$.stages[{stage}].tensors[{tensor}]"
 
 
-_NAME = attrgetter("name")
-_FILE = attrgetter("file")
-_DTYPE = attrgetter("dtype")
-_SHAPE = attrgetter("shape")
-_SHA256 = attrgetter("sha256")
-_BEGIN = attrgetter("begin")
-_END = attrgetter("end")
-_TALLY = attrgetter("tally")
-_EXTREMES = attrgetter("extremes")
-_MAX_ABS = attrgetter("max_abs")
-_LENGTH = attrgetter("length")
-_COUNTS = attrgetter("elements", "finite", "nan", "posinf", "neginf")
-
-
 def verify_bundle(
     bundle: Path,
     manifest: Manifest,
@@ -144,8 +130,8 @@ def _bound_by_file(manifest: Manifest) -> dict[str, _Bound]:
         if stage.status != "OBSERVED" or stage.resolution != "complete":
             continue
         tensors = stage.tensors
-        files = list(map(_FILE, tensors))
-        assert None not in files
+        files = [entry.file for entry in tensors if entry.file is not None]
+        assert len(files) == len(tensors)  # a complete stage names a file for each entry
         if len(set(files)) == 1:  # the usual stage, one file: bound in a few C passes
             bound = by_file.setdefault(files[0], _Bound())
             bound.entries.extend(tensors)
@@ -199,7 +185,7 @@ def _scan_plans(
     jobs = list(chain.from_iterable(plan.jobs for plan in plans))
     start = getattr(progress, "start", None)
     if callable(start):
-        start(sum(map(_LENGTH, jobs)))
+        start(sum(job.length for job in jobs))
     # scan_range is looked up here, at call time, so a test may replace it.
     results = scan_all(jobs, workers=workers, progress=progress, scan=scan_range)
     found: list[Violation] = []
@@ -252,14 +238,13 @@ def _plan_file(fd: int, relpath: str, bound: _Bound) -> _FilePlan:
         refused = _binding_violations(header, relpath, bound)
         if refused:
             return _FilePlan(fd, relpath, bound, header, refused, [])
-        stored = list(map(header.entries.__getitem__, map(_NAME, bound.entries)))
-    begins = list(map(_BEGIN, stored))
+        stored = [header.entries[entry.name] for entry in bound.entries]
     jobs = frozen_records(
         ScanJob,
         [fd] * len(stored),
-        begins,
-        list(map(sub, map(_END, stored), begins)),
-        list(map(_DTYPE, stored)),
+        [entry.begin for entry in stored],
+        [entry.end - entry.begin for entry in stored],
+        [entry.dtype for entry in stored],
     )
     return _FilePlan(fd, relpath, bound, header, [], jobs)
 
@@ -268,17 +253,17 @@ def _bound_cleanly(
     header: TensorFileHeader, entries: list[TensorEntry]
 ) -> list[HeaderEntry] | None:
     """The header entry of each bound entry when the binding holds (every name
-    stored, none left unbound, dtypes and shapes alike), tested a column at a
-    time; else None, and :func:`_binding_violations` words what is wrong."""
-    names = list(map(_NAME, entries))
-    stored = header.entries
-    if not stored.keys() >= set(names) or len(set(names)) != len(stored):
-        return None
-    found = list(map(stored.__getitem__, names))
-    if list(map(_DTYPE, found)) != list(map(_DTYPE, entries)):
-        return None
-    if list(map(_SHAPE, found)) != list(map(_SHAPE, entries)):
-        return None
+    stored, none left unbound, dtypes and shapes alike); else None, and
+    :func:`_binding_violations` words what is wrong."""
+    found: list[HeaderEntry] = []
+    stored = header.entries.get
+    for entry in entries:
+        match = stored(entry.name)
+        if match is None or match.dtype != entry.dtype or match.shape != entry.shape:
+            return None
+        found.append(match)
+    if len({entry.name for entry in entries}) != len(header.entries):
+        return None  # a stored tensor is left unbound
     return found
 
 
@@ -291,11 +276,14 @@ def _verify_file(
     if plan.header is None or plan.refused:
         return plan.refused
     entries = plan.bound.entries
-    if set(map(type, results)) <= {TensorScan}:  # every tensor read: columns
+    if set(map(type, results)) <= {TensorScan}:  # every tensor read: no failure to stop at
         done: Sequence[TensorScan] = results  # type: ignore[assignment]
-        differ = compress(range(len(done)), map(ne, map(_SHA256, done), map(_SHA256, entries)))
-        found = [_digest_mismatch(plan.bound, k, done[k]) for k in differ]
-        scans.update(zip(map(_NAME, entries), done, strict=True))
+        found = [
+            _digest_mismatch(plan.bound, k, scan)
+            for k, (entry, scan) in enumerate(zip(entries, done, strict=True))
+            if scan.sha256 != entry.sha256
+        ]
+        scans.update(zip([entry.name for entry in entries], done, strict=True))
     else:
         failed, found = _verify_each(plan, results, scans)
         if failed is not None:
@@ -345,15 +333,14 @@ def _digest_mismatch(bound: _Bound, k: int, scan: TensorScan) -> Violation:
 
 def _binding_violations(header: TensorFileHeader, relpath: str, bound: _Bound) -> list[Violation]:
     found: list[Violation] = []
-    names = set(map(_NAME, bound.entries))
+    names = {entry.name for entry in bound.entries}
     for k, declared in enumerate(bound.entries):
-        path = bound.path(k)
         entry = header.entries.get(declared.name)
         if entry is None:
             found.append(
                 Violation(
                     "TENSOR_NOT_IN_FILE",
-                    f"{path}.name",
+                    f"{bound.path(k)}.name",
                     f"{quote(declared.name)} is not in {quote(relpath)}",
                 )
             )
@@ -362,7 +349,7 @@ def _binding_violations(header: TensorFileHeader, relpath: str, bound: _Bound) -
             found.append(
                 Violation(
                     "TENSOR_DTYPE_MISMATCH",
-                    f"{path}.dtype",
+                    f"{bound.path(k)}.dtype",
                     f"the file stores {entry.dtype}, the entry says {declared.dtype}",
                 )
             )
@@ -370,7 +357,7 @@ def _binding_violations(header: TensorFileHeader, relpath: str, bound: _Bound) -
             found.append(
                 Violation(
                     "TENSOR_SHAPE_MISMATCH",
-                    f"{path}.shape",
+                    f"{bound.path(k)}.shape",
                     f"the file stores {list(entry.shape)}, the entry says {list(declared.shape)}",
                 )
             )
@@ -392,7 +379,7 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
     if stage.resolution == "summary":
         tensors = tuple(TensorFinding(entry, None, None) for entry in stage.tensors)
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tensors)
-    read = list(map(scans.get, map(_NAME, stage.tensors)))
+    read = [scans.get(entry.name) for entry in stage.tensors]
     # "None in read" would call each scan's __eq__: identity is tested in C.
     if any(map(is_, read, repeat(None))):  # not read: a file-level violation is already reported
         findings = tuple(
@@ -403,16 +390,23 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         )
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, findings)
     scanned: list[TensorScan] = read  # type: ignore[assignment]
-    tallies = list(map(_TALLY, scanned))
+    tallies = [scan.tally for scan in scanned]
     # Records in bulk, a column at a time: a stage may hold thousands of tensors.
-    counts = frozen_records(Counts, *zip(*map(_COUNTS, tallies), strict=True)) if tallies else []
+    counts = frozen_records(
+        Counts,
+        [t.elements for t in tallies],
+        [t.finite for t in tallies],
+        [t.nan for t in tallies],
+        [t.posinf for t in tallies],
+        [t.neginf for t in tallies],
+    )
     findings = tuple(
         frozen_records(
             TensorFinding,
             stage.tensors,
             counts,
-            list(map(_MAX_ABS, tallies)),
-            list(map(_EXTREMES, scanned)),
+            [t.max_abs for t in tallies],
+            [scan.extremes for scan in scanned],
         )
     )
     total = combine(tallies)
