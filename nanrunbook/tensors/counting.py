@@ -108,12 +108,13 @@ def combine(tallies: Iterable[Tally]) -> Tally:
     largest finite magnitude among them (None when none has one)."""
     parts = list(tallies)
     maxima = [t.max_abs for t in parts if t.max_abs is not None]
+    # Lists, not generators, to sum: a stage may hold thousands of tallies.
     return Tally(
-        elements=sum(t.elements for t in parts),
-        finite=sum(t.finite for t in parts),
-        nan=sum(t.nan for t in parts),
-        posinf=sum(t.posinf for t in parts),
-        neginf=sum(t.neginf for t in parts),
+        elements=sum([t.elements for t in parts]),
+        finite=sum([t.finite for t in parts]),
+        nan=sum([t.nan for t in parts]),
+        posinf=sum([t.posinf for t in parts]),
+        neginf=sum([t.neginf for t in parts]),
         max_abs=max(maxima) if maxima else None,
     )
 
