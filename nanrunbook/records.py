@@ -212,7 +212,7 @@ class TensorFinding:
 
     entry: TensorEntry
     counts: Counts | None
-    finite_max_abs: float | None
+    finite_max_abs: float | None  # the recount's; ``extremes.max_abs`` when extremes are set
     # Finite extremes of a recounted floating tensor; None for a summary entry, an
     # integer or BOOL tensor, or a tensor whose file was not read.
     extremes: Extremes | None = None

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.manifest.fields import Sink
-from nanrunbook.manifest.parse import _plain_tensors, _tensor
+from nanrunbook.manifest.parse import _plain_tensors, _printable, _tensor
 from nanrunbook.records import element_count
 from nanrunbook.strictjson import ObjectWithDuplicates
 from nanrunbook.tensors.safetensors import _check_entries, _detailed_entry, _plain_entries
@@ -24,7 +24,7 @@ from nanrunbook.tensors.safetensors import _check_entries, _detailed_entry, _pla
 SHA = "0123456789abcdef" * 4
 ODD_VALUES = st.sampled_from(
     [None, True, False, 0, -1, 1.0, -0.0, 2**53, 2**53 - 1, 2**64, 2**64 - 1, "", "x", [], {},
-     "a\x00b", "a\u202eb", "a\nb", "x" * 1025, "n" * 257, "F32", "Q8", SHA, SHA.upper(),
+     "a\x00b", "a\x7fb", "a\u202eb", "a\nb", "x" * 1025, "n" * 257, "F32", "Q8", SHA, SHA.upper(),
      SHA[:-1] + "g", SHA[:-1] + "é", "../x.safetensors", "/abs", "a\\b", "t.safetensors", [16],
      [2, 3], [-1], [1.0], [True], [2**32, 2**32, 2], [2**53 - 1] * 3, [0, 2**64], [0, 8],
      [8, 0], [-0.0, 8], [1, 1, 1, 1, 1, 2**20], [0, 2**70, 1, 1, 1]]
@@ -165,3 +165,14 @@ def test_the_column_wise_paths_take_what_producers_write() -> None:
     assert _plain_tensors([entry, {**entry, "name": "v"}], "complete") is not None
     root = {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}, "__metadata__": {}}
     assert _plain_entries(root, 8) is not None
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(st.characters(max_codepoint=0x3000), max_size=8) | st.text(max_size=8))
+def test_the_column_printable_test_is_isprintable(text: str) -> None:
+    assert _printable(text) == text.isprintable()
+
+
+def test_the_column_printable_test_knows_every_ascii_character() -> None:
+    for code in range(0x80):
+        assert _printable(f"a{chr(code)}b") == chr(code).isprintable(), code

@@ -1,4 +1,4 @@
-"""The screened read (json's C scanner with one hook per float, then screens)
+"""The screened read (msgspec with one hook per float, then screens)
 gives exactly what the hooked read gives, or declines.
 
 ``strictjson._parse_screened`` reads without the integer and object hooks, so
@@ -109,6 +109,36 @@ def test_the_screened_read_gives_what_the_hooked_read_gives_or_declines(
             assert screened == hooked
             assert hooked[1] == ()  # it declines every text with a violation
     assert outcome(parse_json, raw, dialect) == hooked
+
+
+# Characters that make a text malformed near where msgspec's grammar and json's
+# could part: whitespace JSON does not allow, number forms, escapes, literals.
+EDITS = st.sampled_from(
+    [*'[]{}:,"\\ -+.0123456789eEafnrtux/',
+     "\x0b", "\x0c", "\xa0", "\u2028", "\t", "\n", "\r", "\x00", "\x7f", "é", "\U0001f600",
+     "NaN", "Infinity", "true", "nul", "\\u", "\\ud800", "\\udc00", "0x1", "1.", ".5", "01"]
+)  # fmt: skip
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    texts(),
+    st.lists(st.tuples(st.floats(0, 1), st.integers(0, 2), EDITS), min_size=1, max_size=3),
+)
+def test_an_edited_text_reads_as_the_hooked_read_reads_it_or_declines(
+    text: str, edits: list[tuple[float, int, str]]
+) -> None:
+    """Edits near the grammar's edges: the screened read never takes a text the
+    hooked read refuses, nor reads one differently."""
+    for where, kind, part in edits:
+        at = int(where * len(text))
+        text = (
+            (text[:at] + part + text[at + (kind > 0) :]) if kind < 2 else text[:at] + text[at + 1 :]
+        )
+    raw = text.encode("utf-8", "surrogatepass")
+    screened = outcome(strictjson._parse_screened, raw, MANIFEST)
+    if screened is not None:
+        assert screened == outcome(strictjson._parse_hooked, raw, MANIFEST)
 
 
 @pytest.mark.parametrize(

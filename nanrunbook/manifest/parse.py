@@ -503,8 +503,8 @@ def _plain_tensors(entries: list[Any], resolution: str | None) -> tuple[TensorEn
         return None
     if set(map(len, entries)) != {len(fields)}:
         return None
-    try:
-        columns = list(zip(*map(itemgetter(*fields), entries), strict=True))
+    try:  # a column at a time: no row tuples to build and take apart again
+        columns = [list(map(itemgetter(key), entries)) for key in fields]
     except KeyError:
         return None
     names, dtypes, shapes, probes = columns[:4]
@@ -525,15 +525,26 @@ def _plain_tensors(entries: list[Any], resolution: str | None) -> tuple[TensorEn
     )
 
 
-def _texts(values: tuple[Any, ...], shortest: int, longest: int) -> bool:
+def _texts(values: list[Any], shortest: int, longest: int) -> bool:
     """Strings, each printable and of a length within the bounds."""
     if set(map(type, values)) != {str}:
         return False
     lengths = set(map(len, values))
-    return min(lengths) >= shortest and max(lengths) <= longest and "".join(values).isprintable()
+    return min(lengths) >= shortest and max(lengths) <= longest and _printable("".join(values))
 
 
-def _hex_digests(values: tuple[Any, ...]) -> bool:
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+
+
+def _printable(text: str) -> bool:
+    """``str.isprintable``; for ASCII text (known without a scan) a ``translate``
+    that keeps only C0 and DEL, some three times faster."""
+    if text.isascii():
+        return not text.encode("ascii").translate(None, _PRINTABLE_ASCII)
+    return text.isprintable()
+
+
+def _hex_digests(values: list[Any]) -> bool:
     """64 lowercase hex digits each (SHA256_FORM)."""
     if set(map(type, values)) != {str} or set(map(len, values)) != {64}:
         return False
@@ -541,7 +552,7 @@ def _hex_digests(values: tuple[Any, ...]) -> bool:
     return joined.isascii() and not joined.encode().translate(None, _HEX_DIGITS)
 
 
-def _safe_files(values: tuple[Any, ...]) -> bool:
+def _safe_files(values: list[Any]) -> bool:
     return set(map(type, values)) == {str} and not any(map(check_relative_path, set(values)))
 
 

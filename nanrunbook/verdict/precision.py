@@ -175,22 +175,37 @@ def closest_to_limit(
 def _largest(stage: StageFinding, with_compute: bool) -> list[tuple[int, bool]]:
     """The index of the first tensor of the largest non-zero magnitude of each dtype,
     and of the whole stage when ``with_compute``; in capture order, own limit first."""
-    by_dtype: dict[str, tuple[float, int]] = {}
-    overall: tuple[float, int] | None = None
-    for _, index, tensor, extremes in _measured((stage,)):
-        max_abs = extremes.max_abs
-        if not max_abs:
-            continue
-        dtype = tensor.entry.dtype
-        held = by_dtype.get(dtype)
-        if held is None or max_abs > held[0]:
-            by_dtype[dtype] = (max_abs, index)
-        if overall is None or max_abs > overall[0]:
-            overall = (max_abs, index)
-    found = [(index, False) for _, index in by_dtype.values()]
-    if with_compute and overall is not None:
-        found.append((overall[1], True))
+    peaks = _peaks(stage)
+    found = [(index, False) for _, index in peaks.values()]
+    if with_compute and peaks:  # the largest of all; the first one on a tie
+        _, index = max(peaks.values(), key=lambda peak: (peak[0], -peak[1]))
+        found.append((index, True))
     return sorted(found)
+
+
+def _peaks(stage: StageFinding) -> dict[str, tuple[float, int]]:
+    """Each dtype's largest non-zero finite magnitude among the stage's recounted
+    floating tensors, with the index of the first tensor holding it.
+
+    A column at a time: a stage may hold thousands of tensors, and the warnings and
+    the checklist each ask. ``finite_max_abs`` is the recount's ``max_abs`` of the
+    tensor's extremes, non-zero only for a recounted floating tensor."""
+    tensors = stage.tensors
+    maxima = [tensor.finite_max_abs for tensor in tensors]
+    dtypes = [tensor.entry.dtype for tensor in tensors]
+    peaks: dict[str, tuple[float, int]] = {}
+    kinds = set(dtypes)
+    for dtype in sorted(kinds):
+        mine = (
+            maxima
+            if len(kinds) == 1
+            else [m if d == dtype else None for m, d in zip(maxima, dtypes, strict=True)]
+        )
+        present = list(filter(None, mine))
+        if present:
+            peak = max(present)
+            peaks[dtype] = (peak, mine.index(peak))
+    return peaks
 
 
 def _tensor_headroom(
@@ -244,20 +259,42 @@ def early_warnings(
     # record is built for such a tensor, the common case in a big bundle.
     near = math.pow(2.0, limits.near_max_bits)
     found: list[EarlyWarning] = []
-    for stage, index, tensor, extremes in _measured(report.stages):
+    screened = [stage for stage in report.stages if _may_warn(stage, compute, limits, scale)]
+    for stage, index, tensor, extremes in _measured(screened):
         warned: list[tuple[str, str]] = []
         max_abs = extremes.max_abs
-        if max_abs:
-            top = _LIMITS[tensor.entry.dtype].max_finite
-            if compute is not None and stage.stage in COMPUTE_STAGES:
-                top = min(top, compute.max_finite)
-            if max_abs * near >= top:
-                warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
+        if max_abs and max_abs * near >= _top(stage, tensor.entry.dtype, compute):
+            warned = _range_warnings(_tensor_headroom(stage, index, tensor, compute), limits)
         if stage.stage == _GRADIENT_STAGE:
             warned += _underflow_warnings(tensor, limits, scale)
         for code, message in warned:
             found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
     return tuple(found)
+
+
+def _may_warn(
+    stage: StageFinding, compute: _Limits | None, limits: WarningThresholds, scale: float | None
+) -> bool:
+    """Whether any tensor of ``stage`` can warn: a dtype's largest magnitude at or
+    above the range screen of :func:`early_warnings` (monotone in max_abs), or a
+    gradient stage with a loss scale or a dtype the underflow warning watches."""
+    near = math.pow(2.0, limits.near_max_bits)
+    if any(
+        peak * near >= _top(stage, dtype, compute) for dtype, (peak, _) in _peaks(stage).items()
+    ):
+        return True
+    if stage.stage != _GRADIENT_STAGE:
+        return False
+    return scale is not None or any(t.entry.dtype in limits.underflow_dtypes for t in stage.tensors)
+
+
+def _top(stage: StageFinding, dtype: str, compute: _Limits | None) -> float:
+    """The lowest largest finite value a tensor of ``dtype`` in ``stage`` is held to:
+    its own dtype's, and the compute dtype's in a stage computed in it."""
+    top = _LIMITS[dtype].max_finite
+    if compute is not None and stage.stage in COMPUTE_STAGES:
+        top = min(top, compute.max_finite)
+    return top
 
 
 def _range_warnings(tensor: TensorHeadroom, limits: WarningThresholds) -> list[tuple[str, str]]:
