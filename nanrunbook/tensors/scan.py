@@ -23,13 +23,16 @@ import hashlib
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import is_
 from typing import Any, Literal, Protocol
 
 from nanrunbook.dtypes import WHOLE_ELEMENTS_BYTES
 from nanrunbook.records import Extremes, frozen_records
-from nanrunbook.tensors.counting import BATCHABLE, Counter, Tally, count_segments
+from nanrunbook.tensors.counting import BATCHABLE, Counter, Tally, segment_columns
 
 __all__ = [
     "CHUNK_SIZE",
@@ -363,58 +366,57 @@ def _units(jobs: Sequence[ScanJob], chunk_size: int) -> list[_Unit]:
             small.setdefault(job.fd, []).append(index)
         else:
             units.append(_Unit((index,)))
+    offsets = [job.offset for job in jobs]
     for members in small.values():
-        members.sort(key=lambda k: jobs[k].offset)
-        batch: list[int] = []
-        start = end = 0
-        for index in members:
-            job = jobs[index]
-            stop = job.offset + job.length
-            if batch and (job.offset - end > _BATCH_GAP_BYTES or stop - start > span):
-                units.append(_Unit(tuple(batch), True, start, end))
-                batch = []
-            if not batch:
-                start = end = job.offset
-            batch.append(index)
+        members.sort(key=offsets.__getitem__)
+        first = 0
+        start = end = offsets[members[0]]
+        for position, index in enumerate(members):
+            offset = offsets[index]
+            stop = offset + jobs[index].length
+            if offset - end > _BATCH_GAP_BYTES or stop - start > span:
+                units.append(_Unit(tuple(members[first:position]), True, start, end))
+                first = position
+                start = end = offset
             end = max(end, stop)
-        if batch:
-            units.append(_Unit(tuple(batch), True, start, end))
+        units.append(_Unit(tuple(members[first:]), True, start, end))
     return units
 
 
 def _scan_batch(jobs: Sequence[ScanJob], unit: _Unit) -> list[TensorScan | Exception]:
     """Read a batch's byte range once; hash each member; count its members of one
-    dtype together (:func:`~.counting.count_segments`). A read that fails or ends
+    dtype together (:func:`~.counting.segment_columns`). A read that fails or ends
     early sends every member to :func:`scan_range`, so each gets its own error."""
-    fd = jobs[unit.members[0]].fd
+    members = list(map(jobs.__getitem__, unit.members))
     view = memoryview(bytearray(unit.end - unit.offset))
     try:
-        filled = fill_view(fd, view, unit.offset)
+        filled = fill_view(members[0].fd, view, unit.offset)
     except OSError:
         filled = -1
     if filled < len(view):
-        return [_one_scan(jobs[k]) for k in unit.members]
-    by_dtype: dict[str, list[int]] = {}
-    for position, index in enumerate(unit.members):
-        by_dtype.setdefault(jobs[index].dtype, []).append(position)
-    results: list[TensorScan | Exception] = [None] * len(unit.members)  # type: ignore[list-item]
-    for dtype, positions in by_dtype.items():
-        pieces = [_piece(view, jobs[unit.members[p]], unit.offset) for p in positions]
-        counted = count_segments(dtype, b"".join(pieces), [len(piece) for piece in pieces])
-        scans = frozen_records(
-            TensorScan,
-            [hashlib.sha256(piece).hexdigest() for piece in pieces],
-            [tally for tally, _ in counted],
-            [extremes for _, extremes in counted],
+        return [_one_scan(job) for job in members]
+    base = unit.offset
+    pieces = [view[job.offset - base : job.offset - base + job.length] for job in members]
+    lengths = [job.length for job in members]
+    digests = [hashlib.sha256(piece).hexdigest() for piece in pieces]
+    dtypes = [job.dtype for job in members]
+    if len(set(dtypes)) == 1:  # the usual batch: one count over every member
+        tallies, extremes = segment_columns(dtypes[0], b"".join(pieces), lengths)
+        scanned: list[TensorScan | Exception] = frozen_records(
+            TensorScan, digests, tallies, extremes
         )
+        return scanned
+    by_dtype: dict[str, list[int]] = {}
+    for position, dtype in enumerate(dtypes):
+        by_dtype.setdefault(dtype, []).append(position)
+    results: list[TensorScan | Exception] = [None] * len(members)  # type: ignore[list-item]
+    for dtype, positions in by_dtype.items():
+        mine = [pieces[p] for p in positions]
+        tallies, extremes = segment_columns(dtype, b"".join(mine), [lengths[p] for p in positions])
+        scans = frozen_records(TensorScan, [digests[p] for p in positions], tallies, extremes)
         for position, scan in zip(positions, scans, strict=True):
             results[position] = scan
     return results
-
-
-def _piece(view: memoryview, job: ScanJob, base: int) -> memoryview:
-    start = job.offset - base
-    return view[start : start + job.length]
 
 
 def _one_scan(job: ScanJob) -> TensorScan | Exception:
@@ -488,8 +490,7 @@ def _scan_in_turn(
             done = scanner.run(unit, number == len(units) - 1, progress)
         except Exception as error:
             done = [error]
-        for index, result in zip(unit.members, done, strict=True):
-            results[index] = result
+        _place(results, unit, done)
     return _finished(results)
 
 
@@ -573,18 +574,26 @@ class _Pool:
                     return
                 except Exception as error:
                     done = [error]
-                for index, result in zip(unit.members, done, strict=True):
-                    self.results[index] = result
+                _place(self.results, unit, done)
         except BaseException as error:  # MemoryError allocating the buffer, say
             self.crashed.append(error)
         finally:
             self.events.put(None)
 
 
+def _place(
+    results: list[TensorScan | Exception | None],
+    unit: _Unit,
+    done: Sequence[TensorScan | Exception],
+) -> None:
+    """Put a unit's results at its members' places (a batch holds thousands)."""
+    if len(done) != len(unit.members):
+        raise ValueError(f"{len(done)} results for a unit of {len(unit.members)} jobs")
+    deque(map(results.__setitem__, unit.members, done), maxlen=0)
+
+
 def _finished(results: list[TensorScan | Exception | None]) -> list[TensorScan | Exception]:
-    done: list[TensorScan | Exception] = []
-    for result in results:
-        if result is None:
-            raise RuntimeError("a scan job was left without a result")
-        done.append(result)
-    return done
+    # "None in results" would call each scan's __eq__: identity is tested in C.
+    if any(map(is_, results, repeat(None))):
+        raise RuntimeError("a scan job was left without a result")
+    return results  # type: ignore[return-value]

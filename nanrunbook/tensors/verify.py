@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import is_
 from pathlib import Path
 
 from nanrunbook.access import file_where, open_in_bundle
@@ -23,7 +25,12 @@ from nanrunbook.records import (
     frozen_records,
 )
 from nanrunbook.tensors.counting import combine
-from nanrunbook.tensors.safetensors import MAX_HEADER_LEN, TensorFileHeader, read_header
+from nanrunbook.tensors.safetensors import (
+    MAX_HEADER_LEN,
+    HeaderEntry,
+    TensorFileHeader,
+    read_header,
+)
 from nanrunbook.tensors.scan import ScanJob, ShortRead, TensorScan, scan_all, scan_range
 
 __all__ = ["CODES", "Progress", "header_limit", "verify_bundle"]
@@ -66,18 +73,22 @@ def _reject(code: str, where: str, message: str) -> EvidenceRejected:
     return EvidenceRejected([Violation(code, where, message)])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Bound:
-    """A complete-stage entry and where the manifest declares it."""
+    """The complete-stage entries bound to one file, in manifest order, and where
+    the manifest declares each: columns, not a record per entry."""
 
-    entry: TensorEntry
-    stage_index: int
-    tensor_index: int
+    entries: list[TensorEntry] = field(default_factory=list)
+    places: list[tuple[int, int]] = field(default_factory=list)  # (stage, tensor) indices
 
-    @property
-    def path(self) -> str:
-        """The entry's JSON path: spelled only for a violation, not for every entry."""
-        return f"$.stages[{self.stage_index}].tensors[{self.tensor_index}]"
+    def extend(self, other: _Bound) -> None:
+        self.entries.extend(other.entries)
+        self.places.extend(other.places)
+
+    def path(self, k: int) -> str:
+        """Entry ``k``'s JSON path: spelled only for a violation, not for every entry."""
+        stage, tensor = self.places[k]
+        return f"$.stages[{stage}].tensors[{tensor}]"
 
 
 def verify_bundle(
@@ -112,28 +123,37 @@ def verify_bundle(
     return findings, violations
 
 
-def _bound_by_file(manifest: Manifest) -> dict[str, list[_Bound]]:
+def _bound_by_file(manifest: Manifest) -> dict[str, _Bound]:
     """Every complete-stage entry, by the file path its entry names."""
-    by_file: dict[str, list[_Bound]] = {}
+    by_file: dict[str, _Bound] = {}
     for s_index, stage in enumerate(manifest.stages):
         if stage.status != "OBSERVED" or stage.resolution != "complete":
             continue
-        for t_index, entry in enumerate(stage.tensors):
-            assert entry.file is not None
-            by_file.setdefault(entry.file, []).append(_Bound(entry, s_index, t_index))
+        tensors = stage.tensors
+        files = [entry.file for entry in tensors if entry.file is not None]
+        assert len(files) == len(tensors)  # a complete stage names a file for each entry
+        if len(set(files)) == 1:  # the usual stage, one file: bound in a few C passes
+            bound = by_file.setdefault(files[0], _Bound())
+            bound.entries.extend(tensors)
+            bound.places.extend(zip(repeat(s_index), range(len(tensors))))
+            continue
+        for t_index, (relpath, entry) in enumerate(zip(files, tensors, strict=True)):
+            bound = by_file.get(relpath) or by_file.setdefault(relpath, _Bound())
+            bound.entries.append(entry)
+            bound.places.append((s_index, t_index))
     return by_file
 
 
 def _open_files(
-    bundle: Path, by_file: dict[str, list[_Bound]], violations: list[Violation]
-) -> list[tuple[int, str, list[_Bound]]]:
+    bundle: Path, by_file: dict[str, _Bound], violations: list[Violation]
+) -> list[tuple[int, str, _Bound]]:
     """Open each file once: (fd, the first path naming it, every entry bound to it).
 
     Two spellings of one file ("t.safetensors", "./t.safetensors", a symlink) are
     one file: its tensors must be bound once across all of them. A file that cannot
     be opened adds its violations. The caller closes the fds.
     """
-    opened: dict[tuple[int, int], tuple[int, str, list[_Bound]]] = {}
+    opened: dict[tuple[int, int], tuple[int, str, _Bound]] = {}
     try:
         for relpath, bound in by_file.items():
             try:
@@ -147,7 +167,7 @@ def _open_files(
                 os.close(fd)
                 opened[identity][2].extend(bound)
             else:
-                opened[identity] = (fd, relpath, list(bound))
+                opened[identity] = (fd, relpath, bound)
     except BaseException:
         for fd, _, _ in opened.values():
             os.close(fd)
@@ -162,7 +182,7 @@ def _scan_plans(
     workers: int | None,
 ) -> list[Violation]:
     """Scan every planned tensor at once; each file's violations, in manifest order."""
-    jobs = [job for plan in plans for job in plan.jobs]
+    jobs = list(chain.from_iterable(plan.jobs for plan in plans))
     start = getattr(progress, "start", None)
     if callable(start):
         start(sum(job.length for job in jobs))
@@ -202,25 +222,49 @@ class _FilePlan:
 
     fd: int
     relpath: str
-    bound: Sequence[_Bound]
+    bound: _Bound
     header: TensorFileHeader | None
     refused: list[Violation]  # header or binding violations: nothing is scanned
     jobs: list[ScanJob]  # one per bound entry, in manifest order
 
 
-def _plan_file(fd: int, relpath: str, bound: Sequence[_Bound]) -> _FilePlan:
+def _plan_file(fd: int, relpath: str, bound: _Bound) -> _FilePlan:
     try:
-        header = read_header(fd, relpath, max_header_len=header_limit(len(bound)))
+        header = read_header(fd, relpath, max_header_len=header_limit(len(bound.entries)))
     except EvidenceRejected as err:
         return _FilePlan(fd, relpath, bound, None, list(err.violations), [])
-    refused = _binding_violations(header, relpath, bound)
-    if refused:
-        return _FilePlan(fd, relpath, bound, header, refused, [])
-    jobs = []
-    for item in bound:
-        entry = header.entries[item.entry.name]
-        jobs.append(ScanJob(fd, entry.begin, entry.end - entry.begin, entry.dtype))
+    stored = _bound_cleanly(header, bound.entries)
+    if stored is None:
+        refused = _binding_violations(header, relpath, bound)
+        if refused:
+            return _FilePlan(fd, relpath, bound, header, refused, [])
+        stored = [header.entries[entry.name] for entry in bound.entries]
+    jobs = frozen_records(
+        ScanJob,
+        [fd] * len(stored),
+        [entry.begin for entry in stored],
+        [entry.end - entry.begin for entry in stored],
+        [entry.dtype for entry in stored],
+    )
     return _FilePlan(fd, relpath, bound, header, [], jobs)
+
+
+def _bound_cleanly(
+    header: TensorFileHeader, entries: list[TensorEntry]
+) -> list[HeaderEntry] | None:
+    """The header entry of each bound entry when the binding holds (every name
+    stored, none left unbound, dtypes and shapes alike); else None, and
+    :func:`_binding_violations` words what is wrong."""
+    found: list[HeaderEntry] = []
+    stored = header.entries.get
+    for entry in entries:
+        match = stored(entry.name)
+        if match is None or match.dtype != entry.dtype or match.shape != entry.shape:
+            return None
+        found.append(match)
+    if len({entry.name for entry in entries}) != len(header.entries):
+        return None  # a stored tensor is left unbound
+    return found
 
 
 def _verify_file(
@@ -231,26 +275,19 @@ def _verify_file(
     """A file's violations from its scans, taken in manifest order."""
     if plan.header is None or plan.refused:
         return plan.refused
-    found: list[Violation] = []
-    for item, scan in zip(plan.bound, results, strict=True):
-        if isinstance(scan, ShortRead):
-            where = file_where(plan.relpath)
-            return [Violation("FILE_CHANGED", where, "the file shrank while it was read")]
-        if isinstance(scan, OSError):  # an I/O error is unreadable evidence, not our defect
-            reason = os.strerror(scan.errno) if scan.errno else type(scan).__name__
-            where = file_where(plan.relpath)
-            return [Violation("FILE_UNREADABLE", where, f"{reason} while reading data")]
-        if isinstance(scan, Exception):
-            raise scan
-        if scan.sha256 != item.entry.sha256:
-            found.append(
-                Violation(
-                    "DIGEST_MISMATCH",
-                    f"{item.path}.sha256",
-                    f"the data of {quote(item.entry.name)} hashes to {scan.sha256}",
-                )
-            )
-        scans[item.entry.name] = scan
+    entries = plan.bound.entries
+    if set(map(type, results)) <= {TensorScan}:  # every tensor read: no failure to stop at
+        done: Sequence[TensorScan] = results  # type: ignore[assignment]
+        found = [
+            _digest_mismatch(plan.bound, k, scan)
+            for k, (entry, scan) in enumerate(zip(entries, done, strict=True))
+            if scan.sha256 != entry.sha256
+        ]
+        scans.update(zip([entry.name for entry in entries], done, strict=True))
+    else:
+        failed, found = _verify_each(plan, results, scans)
+        if failed is not None:
+            return [failed]
     if os.fstat(plan.fd).st_size != plan.header.size:
         found.append(
             Violation(
@@ -262,36 +299,66 @@ def _verify_file(
     return found
 
 
-def _binding_violations(
-    header: TensorFileHeader, relpath: str, bound: Sequence[_Bound]
-) -> list[Violation]:
+def _verify_each(
+    plan: _FilePlan,
+    results: Sequence[TensorScan | Exception],
+    scans: dict[str, TensorScan],
+) -> tuple[Violation | None, list[Violation]]:
+    """One scan at a time, up to the first that failed: that failure (the file's
+    one violation) or None, and the digest mismatches before it."""
     found: list[Violation] = []
-    names = {item.entry.name for item in bound}
-    for item in bound:
-        entry = header.entries.get(item.entry.name)
+    for k, (entry, scan) in enumerate(zip(plan.bound.entries, results, strict=True)):
+        if isinstance(scan, ShortRead):
+            where = file_where(plan.relpath)
+            return Violation("FILE_CHANGED", where, "the file shrank while it was read"), found
+        if isinstance(scan, OSError):  # an I/O error is unreadable evidence, not our defect
+            reason = os.strerror(scan.errno) if scan.errno else type(scan).__name__
+            where = file_where(plan.relpath)
+            return Violation("FILE_UNREADABLE", where, f"{reason} while reading data"), found
+        if isinstance(scan, Exception):
+            raise scan
+        if scan.sha256 != entry.sha256:
+            found.append(_digest_mismatch(plan.bound, k, scan))
+        scans[entry.name] = scan
+    return None, found
+
+
+def _digest_mismatch(bound: _Bound, k: int, scan: TensorScan) -> Violation:
+    return Violation(
+        "DIGEST_MISMATCH",
+        f"{bound.path(k)}.sha256",
+        f"the data of {quote(bound.entries[k].name)} hashes to {scan.sha256}",
+    )
+
+
+def _binding_violations(header: TensorFileHeader, relpath: str, bound: _Bound) -> list[Violation]:
+    found: list[Violation] = []
+    names = {entry.name for entry in bound.entries}
+    for k, declared in enumerate(bound.entries):
+        entry = header.entries.get(declared.name)
         if entry is None:
             found.append(
                 Violation(
                     "TENSOR_NOT_IN_FILE",
-                    f"{item.path}.name",
-                    f"{quote(item.entry.name)} is not in {quote(relpath)}",
+                    f"{bound.path(k)}.name",
+                    f"{quote(declared.name)} is not in {quote(relpath)}",
                 )
             )
             continue
-        if entry.dtype != item.entry.dtype:
+        if entry.dtype != declared.dtype:
             found.append(
                 Violation(
                     "TENSOR_DTYPE_MISMATCH",
-                    f"{item.path}.dtype",
-                    f"the file stores {entry.dtype}, the entry says {item.entry.dtype}",
+                    f"{bound.path(k)}.dtype",
+                    f"the file stores {entry.dtype}, the entry says {declared.dtype}",
                 )
             )
-        if entry.shape != item.entry.shape:
+        if entry.shape != declared.shape:
             found.append(
                 Violation(
                     "TENSOR_SHAPE_MISMATCH",
-                    f"{item.path}.shape",
-                    f"the file stores {list(entry.shape)}, the entry says {list(item.entry.shape)}",
+                    f"{bound.path(k)}.shape",
+                    f"the file stores {list(entry.shape)}, the entry says {list(declared.shape)}",
                 )
             )
     for name in header.entries:
@@ -313,7 +380,8 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
         tensors = tuple(TensorFinding(entry, None, None) for entry in stage.tensors)
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, tensors)
     read = [scans.get(entry.name) for entry in stage.tensors]
-    if None in read:  # not read: a file-level violation is already reported
+    # "None in read" would call each scan's __eq__: identity is tested in C.
+    if any(map(is_, read, repeat(None))):  # not read: a file-level violation is already reported
         findings = tuple(
             TensorFinding(entry, None, None)
             if scan is None
@@ -321,7 +389,8 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
             for entry, scan in zip(stage.tensors, read, strict=True)
         )
         return StageFinding(stage, stage.counts, "declared", stage.finite_max_abs, findings)
-    tallies = [scan.tally for scan in read if scan is not None]
+    scanned: list[TensorScan] = read  # type: ignore[assignment]
+    tallies = [scan.tally for scan in scanned]
     # Records in bulk, a column at a time: a stage may hold thousands of tensors.
     counts = frozen_records(
         Counts,
@@ -337,7 +406,7 @@ def _stage_finding(stage: StageRecord, scans: dict[str, TensorScan]) -> StageFin
             stage.tensors,
             counts,
             [t.max_abs for t in tallies],
-            [scan.extremes for scan in read if scan is not None],
+            [scan.extremes for scan in scanned],
         )
     )
     total = combine(tallies)
