@@ -149,3 +149,32 @@ def test_the_program_exits_with_the_commands_status(stop: str, code: int, err: s
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (code, "written before\n", err)
+
+
+def test_the_program_pauses_the_collector_and_watch_runs_it() -> None:
+    # A one-shot command runs without the cyclic collector (main() pauses it);
+    # importing the command line leaves it as it was; watch, which may follow a
+    # file for hours, runs it again.
+    probe = (
+        "import gc, importlib, sys\n"
+        "import nanrunbook.cli\n"
+        "print('after import', gc.isenabled())\n"
+        "app = importlib.import_module('nanrunbook.cli.app')\n"
+        "watch = importlib.import_module('nanrunbook.cli.watch')\n"
+        "def once(*args, **kwargs):\n"
+        "    print('watch', gc.isenabled())\n"
+        "    return 0\n"
+        "watch._once = once\n"
+        "real = app.entry_point\n"
+        "def command():\n"
+        "    print('command', gc.isenabled())\n"
+        "    real()\n"
+        "app.entry_point = command\n"
+        "sys.argv = ['nanrunbook', 'watch', sys.argv[1]]\n"
+        "app.main()\n"
+    )
+    telemetry = Path(__file__).resolve().parent.parent / "pyproject.toml"  # any file: never read
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(telemetry)], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, "after import True\ncommand False\nwatch True\n")

@@ -4,6 +4,7 @@ with an exit code a playbook can gate on."""
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -136,6 +137,9 @@ def watch(
     if not follow and (stop_after_idle is not None or until_step is not None):
         option = "--stop-after-idle" if stop_after_idle is not None else "--until-step"
         raise typer.BadParameter("it needs --follow", param_hint=option)
+    # main() paused the cyclic collector for a one-shot command; a run followed for
+    # hours, or a file of millions of lines, needs it.
+    gc.enable()
     options = _Options(format.value, not no_plots, fail_on_warnings, plot_file)
     if follow:
         code = _follow(telemetry, since, window, stop_after_idle, until_step, options)
