@@ -258,6 +258,13 @@ def report(commands: list[Command], args: argparse.Namespace, data_bytes: int) -
     print("                      others were running too and the ratios are pessimistic)")
 
 
+def paired(mine: Command, other: Command) -> float:
+    """The median of the round-by-round wall ratios: a round runs every command
+    once, close together in time, so a drift of the machine's speed between
+    rounds falls on both (steadier than a ratio of medians for short commands)."""
+    return statistics.median(a / b for a, b in zip(mine.walls, other.walls, strict=True))
+
+
 def report_manifest(by: dict[str, Command]) -> None:
     many, orjson, few = by["many"], by["orjson"], by["few"]
     print(
@@ -271,7 +278,7 @@ def report_manifest(by: dict[str, Command]) -> None:
             mine = by[name]
             print(
                 f"{name} / {name}-base".ljust(22)
-                + f"wall {mine.median / base.median:.2f} x ({mine.median:.3f} s vs"
+                + f"wall {paired(mine, base):.2f} x paired ({mine.median:.3f} s vs"
                 f" {base.median:.3f} s), cpu {mine.cpu / base.cpu:.2f} x"
                 f" ({mine.cpu:.3f} s vs {base.cpu:.3f} s)"
             )
@@ -283,13 +290,14 @@ def report_data(by: dict[str, Command], args: argparse.Namespace, data_bytes: in
         f"check / sha256 floor  {check.median / sha.median:.2f} x   (target <= 0.75, at least"
         f" < 1.0)  check reads {data_bytes / check.median / 1e9:.2f} GB/s"
     )
+    print(f"  paired, by round    {paired(check, sha):.2f} x")
     if "torch" in by:
         print(f"torch / check         {by['torch'].median / check.median:.1f} x   (target >= 5)")
     if "base" in by:
         base = by["base"]
         print(
             f"base / sha256 floor   {base.median / sha.median:.2f} x   "
-            f"check / base {check.median / base.median:.3f} x   ({args.baseline})"
+            f"check / base {paired(check, base):.3f} x paired   ({args.baseline})"
         )
         print(
             f"cpu: check / base     {check.cpu / base.cpu:.3f} x   "
