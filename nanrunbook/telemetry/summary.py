@@ -607,9 +607,13 @@ class Summariser:
         if bits < 1.0:
             code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
             if all(w.code != code for w in record.warnings):
-                message = (
-                    f"gradient max abs {grad.max_abs:.6g} is {bits:.2f} bits below the {dtype} max"
+                # A line may give the headroom without the magnitude it came from.
+                what = (
+                    "gradient headroom"
+                    if grad.max_abs is None
+                    else f"gradient max abs {grad.max_abs:.6g}"
                 )
+                message = f"{what} is {bits:.2f} bits below the {dtype} max"
                 self._warn(code, step, message, "watch", events)
         self._trend(state, step, bits, dtype, events)
         return bits
