@@ -15,8 +15,8 @@ wrong. ``msgspec`` parses with one hook, per float literal (reading what
 both texts shows whether a key repeats. The string rules and the nesting depth
 are screened over that compact text with ``bytes`` searches, ``translate`` and
 compiled patterns. Only when a screen finds something, or the text is small,
-is it read with hooks on every number and object, which leave markers where a literal
-breaks a rule, and the tree walked, to name the path of every violation.
+is it read with hooks on every number and object, which leave markers where a
+literal breaks a rule, and the tree walked, to name the path of every violation.
 """
 
 from __future__ import annotations

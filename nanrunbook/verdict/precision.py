@@ -259,7 +259,7 @@ def early_warnings(
     # record is built for such a tensor, the common case in a big bundle.
     near = math.pow(2.0, limits.near_max_bits)
     found: list[EarlyWarning] = []
-    screened = [stage for stage in report.stages if _may_warn(stage, compute, limits, scale)]
+    screened = [s for s in report.stages if _may_warn(s, compute, near, limits, scale)]
     for stage, index, tensor, extremes in _measured(screened):
         warned: list[tuple[str, str]] = []
         max_abs = extremes.max_abs
@@ -273,12 +273,16 @@ def early_warnings(
 
 
 def _may_warn(
-    stage: StageFinding, compute: _Limits | None, limits: WarningThresholds, scale: float | None
+    stage: StageFinding,
+    compute: _Limits | None,
+    near: float,
+    limits: WarningThresholds,
+    scale: float | None,
 ) -> bool:
     """Whether any tensor of ``stage`` can warn: a dtype's largest magnitude at or
-    above the range screen of :func:`early_warnings` (monotone in max_abs), or a
-    gradient stage with a loss scale or a dtype the underflow warning watches."""
-    near = math.pow(2.0, limits.near_max_bits)
+    above the range screen of :func:`early_warnings` (``near``: 2 ** near_max_bits;
+    monotone in max_abs), or a gradient stage with a loss scale or a dtype the
+    underflow warning watches."""
     if any(
         peak * near >= _top(stage, dtype, compute) for dtype, (peak, _) in _peaks(stage).items()
     ):
