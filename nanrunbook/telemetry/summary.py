@@ -391,11 +391,11 @@ class Summariser:
         return events
 
     def add_line(self, line: CommonLine, raw: bytes) -> bool:
-        """Count an uneventful line (:func:`common_line` decoded it from ``raw``)
-        quietly, as :meth:`add` would count its record, without building one;
-        False, with nothing counted, for a line :meth:`add` must see: a rank
-        not seen before or past the rank bound, a headroom warning, or
-        rank >= world_size."""
+        """Count an uneventful line (``COMMON_LINE`` decoded it from ``raw``; the
+        rank bound :func:`common_line` adds is checked here) quietly, as
+        :meth:`add` would count its record, without building one; False, with
+        nothing counted, for a line :meth:`add` must see: a rank not seen before
+        or past the rank bound, a headroom warning, or rank >= world_size."""
         step, rank, grad = line.step, line.rank, line.grad
         if self.since is not None and step < self.since:
             if rank >= line.world_size:
