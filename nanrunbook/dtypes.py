@@ -133,6 +133,8 @@ class FloatFormat:
 
 @dataclass(frozen=True, slots=True)
 class DType:
+    """One safetensors dtype: its width, kind, and names in numpy and torch."""
+
     name: str  # the safetensors name
     bits: int  # width of one element; C64 is 64 (two F32 parts)
     kind: Kind

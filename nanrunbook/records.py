@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Literal, TypeVar
 
@@ -80,6 +80,8 @@ CountsSource = Literal["recounted", "declared"]
 
 @dataclass(frozen=True, slots=True)
 class Counts:
+    """Element counts by class, as the manifest's ``counts`` object holds them."""
+
     elements: int
     finite: int
     nan: int
@@ -151,6 +153,9 @@ class Scaler:
 
 @dataclass(frozen=True, slots=True)
 class Binding:
+    """What the failing step is bound to: each binding item's id and fields, and
+    the facts the check reads from them."""
+
     ids: Mapping[str, str]  # binding item -> its id
     details: Mapping[str, Mapping[str, object]]  # binding item -> every field as given
     world_size: int
@@ -163,6 +168,8 @@ class Binding:
 
 @dataclass(frozen=True, slots=True)
 class LastKnownGood:
+    """The last state known to be good: the checkpoint the incident rolls back to."""
+
     checkpoint_id: str
     step: int
     verified_together: tuple[str, ...]
@@ -170,6 +177,8 @@ class LastKnownGood:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
+    """A bundle's manifest as parsed: every field the check reads, no raw JSON."""
+
     format: str
     contract_version: str
     evidence_id: str
@@ -247,6 +256,8 @@ class StageFinding:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """HOLD or CONTINUE, where the symptom showed first, and the action: never a cause."""
+
     decision: str
     earliest_nonfinite_stage: str | None
     first_nonfinite_tensor: str | None
@@ -347,8 +358,17 @@ def _builder(cls: type[Any]) -> type[Any]:
     if hasattr(cls, "__post_init__"):  # the builder would skip it
         raise TypeError(f"{cls.__name__} checks its fields in __post_init__")
     names = [f.name for f in fields(cls)]
-    builder = make_dataclass(f"_{cls.__name__}Builder", names, slots=True, eq=False)
+    slots = cls.__dict__["__slots__"]
     # The same slots in the same order, or the class could not be changed.
-    assert builder.__dict__["__slots__"] == cls.__dict__["__slots__"]
+    assert tuple(names) == tuple(slots)
+    # One generated __init__, not make_dataclass's six methods (a millisecond per
+    # class, most of it compiling methods a builder never calls). The names are
+    # the dataclass's own fields: identifiers.
+    assignments = "".join(f"\n    self.{name} = {name}" for name in names) or "\n    pass"
+    namespace: dict[str, Any] = {}
+    exec(f"def __init__(self, {', '.join(names)}):{assignments}", namespace)
+    builder = type(
+        f"_{cls.__name__}Builder", (), {"__slots__": slots, "__init__": namespace["__init__"]}
+    )
     _BUILDERS[cls] = builder
     return builder

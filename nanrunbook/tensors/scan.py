@@ -56,6 +56,8 @@ CHUNK_SIZE = 2 * 1024 * 1024 // WHOLE_ELEMENTS_BYTES * WHOLE_ELEMENTS_BYTES
 
 @dataclass(frozen=True, slots=True)
 class TensorScan:
+    """One tensor's bytes as read: their digest, exact counts and finite extremes."""
+
     sha256: str  # lowercase hex of the exact bytes
     tally: Tally
     extremes: Extremes | None = None  # of a floating tensor's finite values

@@ -28,6 +28,8 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Section:
+    """One part of the runbook (containment, replay, hardening...) and its steps."""
+
     id: str
     title: str
     steps: tuple[Step, ...]
