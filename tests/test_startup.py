@@ -178,3 +178,50 @@ def test_the_program_pauses_the_collector_and_watch_runs_it() -> None:
         [sys.executable, "-c", probe, str(telemetry)], capture_output=True, text=True, timeout=60
     )
     assert (done.returncode, done.stdout) == (0, "after import True\ncommand False\nwatch True\n")
+
+
+def _command_names() -> list[str]:
+    from typer.main import get_command
+
+    from nanrunbook.cli import app
+
+    group = get_command(app)
+    return sorted(group.commands)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", _command_names())
+@pytest.mark.parametrize("tail", [["--help"], ["--no-such-option"], []])
+def test_a_command_run_alone_parses_and_prints_as_among_all(name: str, tail: list[str]) -> None:
+    """The entry point builds only the command named first; its help, usage errors
+    and exit codes are those of the whole app's."""
+    from typer.testing import CliRunner
+
+    from nanrunbook.cli.app import app, app_for
+
+    alone = app_for([name])
+    assert alone is not app and [info.callback for info in alone.registered_commands] == [
+        info.callback
+        for info in app.registered_commands
+        if info.callback is not None and info.callback.__name__.replace("_", "-") == name
+    ]
+    runner = CliRunner()
+    expected = runner.invoke(app, [name, *tail])
+    got = runner.invoke(alone, [name, *tail])
+    assert (got.exit_code, got.output) == (expected.exit_code, expected.output)
+    assert len(app.registered_commands) == len(_command_names())  # app itself is untouched
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--help"], ["--version"], ["chek"], ["--format", "kv", "check"]]
+)
+def test_without_a_command_first_the_whole_app_runs(args: list[str]) -> None:
+    from nanrunbook.cli.app import app, app_for
+
+    assert app_for(args) is app
+
+
+def test_shell_completion_gets_every_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanrunbook.cli.app import app, app_for
+
+    monkeypatch.setenv("_NANRUNBOOK_COMPLETE", "complete_bash")
+    assert app_for(["check"]) is app
