@@ -151,3 +151,29 @@ def test_the_manifest_size_bound_is_the_edge_the_check_enforces(tmp_path: Path) 
     assert "MANIFEST_TOO_LARGE" not in _codes(bundle)
     (bundle / "manifest.json").write_bytes(text + b" " * (limit + 1 - len(text)))
     assert _codes(bundle) == ["MANIFEST_TOO_LARGE"]
+
+
+@pytest.mark.parametrize("stated", [0, 1, 100])
+def test_a_manifest_longer_than_its_stated_size_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stated: int
+) -> None:
+    """The manifest is read in one call of its stated size and a byte more: a file
+    that grew after fstat is still read to its end, and bounded by the limit."""
+    limit = BOUNDS["manifest_max_bytes"]
+    bundle = copy_fixture(tmp_path)
+    text = (bundle / "manifest.json").read_bytes()
+    real_fstat = access.os.fstat
+
+    class Shrunk:
+        def __init__(self, fd: int) -> None:
+            self.real = real_fstat(fd)
+
+        def __getattr__(self, name: str) -> Any:
+            return stated if name == "st_size" else getattr(self.real, name)
+
+    monkeypatch.setattr(access.os, "fstat", Shrunk)
+    assert access.read_manifest_bytes(bundle) == text
+    (bundle / "manifest.json").write_bytes(text + b" " * (limit + 1 - len(text)))
+    with pytest.raises(EvidenceRejected) as rejected:
+        access.read_manifest_bytes(bundle)
+    assert rejected.value.codes == ("MANIFEST_TOO_LARGE",)
