@@ -77,9 +77,10 @@ def judge_many(
     for path in paths:
         with check_progress(progress) as bar:
             outcomes.append(check_path(path, caps=caps, progress=bar, thresholds=thresholds))
-    emit(functools.partial(RENDERERS[fmt].many, outcomes, out), out)
     codes = (outcome.exit_code_for(fail_on_warnings=fail_on_warnings) for outcome in outcomes)
-    return most_severe(codes)
+    code = most_severe(codes)
+    emit(functools.partial(RENDERERS[fmt].many, outcomes, code, out), out)
+    return code
 
 
 def emit_rejection(

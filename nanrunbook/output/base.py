@@ -52,8 +52,10 @@ class Renderer(ABC):
         """An incident set's verdict, one row per rank (``check`` on a set, ``merge``)."""
 
     @abstractmethod
-    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
-        """Several paths judged each on its own (``check A/ B/ C/``), in the order given."""
+    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+        """Several paths judged each on its own (``check A/ B/ C/``), in the order
+        given; ``exit_code`` is the command's, the most severe of theirs under
+        ``--fail-on-warnings`` or not."""
 
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         """One bundle's report or rejection; in json a rejection carries what the

@@ -75,7 +75,7 @@ class JsonRenderer(Renderer):
     def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
         out.write(json_text(set_document(result)))
 
-    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
         out.write(json_text([outcome_document(outcome) for outcome in outcomes]))
 
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:

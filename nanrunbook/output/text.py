@@ -15,7 +15,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected, quote
-from nanrunbook.exits import most_severe
 from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding, TensorFinding
 from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
@@ -241,7 +240,7 @@ class TextRenderer(Renderer):
                 )
             )
 
-    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
         from rich.text import Text
 
         console = self._console(out)
@@ -256,8 +255,7 @@ class TextRenderer(Renderer):
             )
         counts = {d: sum(_outcome_decision(o) == d for o in outcomes) for d in _DECISION_STYLE}
         tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
-        code = most_severe(o.exit_code for o in outcomes)
-        console.print(Text(f"{len(outcomes)} checked: {tally}; exit {code}, the most severe"))
+        console.print(Text(f"{len(outcomes)} checked: {tally}; exit {exit_code}, the most severe"))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from rich.text import Text
