@@ -47,7 +47,7 @@ def kv(result: IncidentSet) -> list[str]:
 
 
 def answer(run: str = "run-ranks", step: int = 10, **fields: Any) -> list[str]:
-    """The kv lines of an accepted set, in spec order."""
+    """The kv lines of an accepted set, in spec order, then its warnings count."""
     values = {
         "run": run,
         "step": step,
@@ -61,6 +61,7 @@ def answer(run: str = "run-ranks", step: int = 10, **fields: Any) -> list[str]:
         "decision": "CONTINUE_BOUNDED_DIAGNOSTICS",
         "action": "no-nonfinite-evidenced-check-other-signals",
         "root_cause_claim": "NONE_SYMPTOM_LOCATION_IS_NOT_CAUSALITY",
+        "warnings": 0,  # appended after the spec's lines, as a bundle's are
     }
     values.update(fields)
     return HEAD + [f"{key}={value}" for key, value in values.items()]
@@ -813,12 +814,22 @@ def test_brief_and_fail_on_warnings_for_sets(tmp_path: Path) -> None:
     assert run("check", "--format", "kv", str(root)).returncode == 0
     done = run("check", "--fail-on-warnings", "--format", "kv", str(root))
     assert done.returncode == 5 and "decision=CONTINUE_BOUNDED_DIAGNOSTICS" in done.stdout
+    # What made it 5, after the spec's lines: the count, then each code and member.
+    lines = done.stdout.splitlines()
+    warned = [line for line in lines if line.startswith("warning=")]
+    assert warned and all(line.endswith(" rank-00000") for line in warned)
+    assert lines[lines.index("root_cause_claim=NONE_SYMPTOM_LOCATION_IS_NOT_CAUSALITY") + 1 :] == [
+        f"warnings={len(warned)}",
+        *warned,
+    ]
     brief = run("check", "--brief", str(root))
     assert brief.returncode == 0 and len(brief.stdout.splitlines()) <= 6
     held = make_set(tmp_path / "held", 2, holds={0: "input"})
     paths = [str(root), str(held)]
     assert run("check", "--fail-on-warnings", *paths).returncode == 1  # 1 before 5
-    assert run("check", "--fail-on-warnings", str(root), str(root)).returncode == 5
+    twice = run("check", "--fail-on-warnings", str(root), str(root))
+    assert twice.returncode == 5
+    assert twice.stdout.splitlines()[-1].endswith("; exit 5, the most severe")
     assert run("check", "--fail-on-warnings", str(root), str(tmp_path / "no")).returncode == 3
     rejected_brief = run("check", "--brief", str(make_set(tmp_path / "part", 3, ranks=[0])))
     assert rejected_brief.returncode == 3

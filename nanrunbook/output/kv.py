@@ -48,8 +48,13 @@ def kv_set_where(violation: SetViolation) -> str:
     member's name, ``[?]`` unless an identifier, then the violation's own path."""
     if violation.member is None:
         return "."
-    name = violation.member if IDENTIFIER.fullmatch(violation.member) else "[?]"
+    name = _member_name(violation.member)
     return name if violation.path is None else f"{name}/{kv_where(violation.path)}"
+
+
+def _member_name(name: str) -> str:
+    """A member's directory name, ``[?]`` unless an identifier: it is untrusted."""
+    return name if IDENTIFIER.fullmatch(name) else "[?]"
 
 
 def _write(lines: list[str], out: IO[str]) -> None:
@@ -148,7 +153,7 @@ class KvRenderer(Renderer):
         _write(lines, out)
 
     def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
-        """Exactly the lines of spec section 11, in its order."""
+        """The lines of spec section 11, in its order; then the members' warnings."""
         lines = [
             f"contract_version={result.contract_version}",
             f"contract_content_id={result.contract_content_id}",
@@ -171,10 +176,18 @@ class KvRenderer(Renderer):
             f"decision={result.decision}",
             f"action={result.action}",
             f"root_cause_claim={result.root_cause_claim}",
+            # Appended after the spec's lines, as a bundle's are: what makes
+            # --fail-on-warnings exit 5, member by member in the set's order.
+            f"warnings={sum(len(member.warnings) for member in result.members)}",
+            *(
+                f"warning={code} {_member_name(member.name)}"
+                for member in result.members
+                for code in member.warnings
+            ),
         ]
         _write(lines, out)
 
-    def many(self, outcomes: Sequence[Outcome], out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
         """``checked=N``, then each path's own lines, as one path prints them, with
         its position in the arguments as a prefix: ``1.decision=HOLD``."""
         lines = [f"checked={len(outcomes)}"]
