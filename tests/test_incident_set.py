@@ -563,6 +563,49 @@ def test_merge_reads_untrusted_values_as_untrusted(tmp_path: Path) -> None:
     assert kv(merged) == rejected("SET_RANKS_MISSING .", "REPORT_INVALID rank-00000/$")
 
 
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        ("continue", "the decision does not agree with the report's stage counts"),
+        ("later", "the decision does not agree with the report's stage counts"),
+        ("counts", "the decision does not agree with the report's stage counts"),
+        ("no-stages", "stages is not the five stages in order"),
+        ("bad-count", "nan is not an integer from 0 to 9007199254740991"),
+    ],
+)
+def test_merge_does_not_take_a_decision_its_own_counts_contradict(
+    tmp_path: Path, edit: str, why: str
+) -> None:
+    """A node's report whose decision was edited, or its counts, is not believed: the
+    decision is the stage counts' (spec section 8), as check would work it out."""
+    member = rank_bundle(tmp_path / "incident" / "rank-00000", rank=0, world_size=1, hold="loss")
+    document = json.loads(run("check", "--format", "json", str(member)).stdout)
+    (tmp_path / "good.json").write_text(json.dumps(document))
+    assert merge_reports([tmp_path / "good.json"]).decision == "HOLD"
+    loss = next(item for item in document["stages"] if item["stage"] == "loss")
+    if edit == "continue":  # every field of the decision changed, not the counts
+        document.update(
+            decision="CONTINUE_BOUNDED_DIAGNOSTICS",
+            earliest_nonfinite_stage=None,
+            first_nonfinite_tensor=None,
+            action="no-nonfinite-evidenced-check-other-signals",
+            exit_code=0,
+        )
+    elif edit == "later":
+        document["earliest_nonfinite_stage"] = "backward"
+    elif edit == "counts":  # the counts made all finite, the HOLD left
+        loss["counts"].update(finite=loss["counts"]["elements"], nan=0, posinf=0, neginf=0)
+    elif edit == "no-stages":
+        del document["stages"]
+    else:
+        loss["counts"]["nan"] = -1
+    (tmp_path / "edited.json").write_text(json.dumps(document))
+    merged = merge_reports([tmp_path / "edited.json"])
+    assert merged.decision == "REJECTED"
+    assert kv(merged) == rejected("SET_RANKS_MISSING .", "REPORT_INVALID rank-00000/$")
+    assert [v.message for v in merged.members[0].violations] == [why]
+
+
 def test_a_rejected_bundle_report_says_what_it_declares(tmp_path: Path) -> None:
     member = rank_bundle(tmp_path / "m", rank=3, world_size=4)
     reject_data(member)

@@ -7,8 +7,9 @@ reports are merged into the verdict that checking the whole set in one place
 gives (spec section 11): the same members, the same rules, the same answer.
 
 Every report is read as untrusted input: a value is used only if it has the form
-the report format gives it (identifiers, stage names, integers in range), and
-text is shown quoted unless printable. A report that cannot be read, or is not a
+the report format gives it (identifiers, stage names, integers in range), a
+decision only if the report's own stage counts give it, and text is shown quoted
+unless printable. A report that cannot be read, or is not a
 nanrunbook report, counts as a rejected member that declares no rank: a HOLD
 elsewhere still stands, and the set cannot continue without it.
 """
@@ -172,6 +173,10 @@ def _accepted(document: Mapping[str, Any], name: str, decision: str) -> SetMembe
     stage = document.get("earliest_nonfinite_stage")
     if (decision == HOLD) != (stage in STAGE_ORDER) or (decision == CONTINUE and stage is not None):
         raise _Invalid("earliest_nonfinite_stage does not agree with the decision")
+    if _earliest_nonfinite(document) != stage:
+        # The decision is the stage counts' (spec section 8): a report that says
+        # otherwise was edited, and its word is not taken.
+        raise _Invalid("the decision does not agree with the report's stage counts")
     tensor = document.get("first_nonfinite_tensor")
     if tensor is not None and not isinstance(tensor, str):
         raise _Invalid("first_nonfinite_tensor is not a string")
@@ -182,6 +187,28 @@ def _accepted(document: Mapping[str, Any], name: str, decision: str) -> SetMembe
     return SetMember(
         name, declared, decision, stage, tensor, content_id, (), document, warnings=warnings
     )
+
+
+def _earliest_nonfinite(document: Mapping[str, Any]) -> str | None:
+    """The first stage whose counts hold a non-finite element, by the report's own
+    ``stages``: the five, in order, each with counts (null when NOT_RUN)."""
+    stages = document.get("stages")
+    if not isinstance(stages, list) or [
+        item.get("stage") if isinstance(item, dict) else None for item in stages
+    ] != list(STAGE_ORDER):
+        raise _Invalid("stages is not the five stages in order")
+    for item in stages:
+        counts = item.get("counts")
+        if counts is None:
+            continue
+        if not isinstance(counts, dict):
+            raise _Invalid(f"the {item['stage']} stage's counts is not an object")
+        nonfinite = [
+            _integer(counts, key, 0, MAX_SAFE_INTEGER) for key in ("nan", "posinf", "neginf")
+        ]
+        if any(nonfinite):
+            return str(item["stage"])
+    return None
 
 
 def _warning_codes(value: Any) -> tuple[str, ...]:
