@@ -327,18 +327,16 @@ def bundles_below(directory: Path) -> list[str]:
 
 def sets_below(directory: Path, limit: int = 64) -> list[str]:
     """Names of the subdirectories of ``directory`` that are incident sets (no
-    manifest.json, bundles one level down), sorted; at most ``limit`` are looked into."""
-    names: list[str] = []
+    manifest.json, bundles one level down), sorted; at most ``limit`` of those
+    without a manifest.json are looked into (a set's members are not)."""
     try:
         with os.scandir(directory) as entries:
             candidates = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
     except OSError:
         return []
-    for name in candidates[:limit]:
-        path = Path(directory) / name
-        if not _has_entry(path, MANIFEST_NAME) and bundles_below(path):
-            names.append(name)
-    return names
+    paths = [Path(directory) / name for name in candidates]
+    bare = [path for path in paths if not _has_entry(path, MANIFEST_NAME)]
+    return [path.name for path in bare[:limit] if bundles_below(path)]
 
 
 def _has_entry(directory: Path | str, name: str) -> bool:

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from nanrunbook.access import MANIFEST_NAME, file_where, set_members
+from nanrunbook.access import MANIFEST_NAME, file_where, set_members, sets_below
 from nanrunbook.check import judge_bundle
 from nanrunbook.contract import Caps, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation, quote
@@ -114,7 +114,10 @@ def check_incident_set(
     for entry in entries:
         judgement = judged.get(entry.name) or _outside(entry.path, content_id)
         members.append(SetMember.of(file_where(entry.name), judgement))
-    return judge_set(members, contract_content_id=content_id, path=str(directory))
+    nested = [file_where(name) for name in sets_below(directory)]
+    return judge_set(
+        members, contract_content_id=content_id, path=str(directory), nested_sets=nested
+    )
 
 
 def _outside(path: Path, content_id: str) -> Judgement:

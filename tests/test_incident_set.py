@@ -606,6 +606,31 @@ def test_merge_does_not_take_a_decision_its_own_counts_contradict(
     assert [v.message for v in merged.members[0].violations] == [why]
 
 
+def test_a_set_nested_in_a_set_is_not_judged_and_is_named(tmp_path: Path) -> None:
+    """Spec section 11 ignores a subdirectory without manifest.json, even one holding
+    bundles (a HOLD among them): the answer is the members', and says which
+    subdirectories it does not cover, so nobody takes it for theirs."""
+    root = make_set(tmp_path / "set", 2)
+    rank_bundle(root / "retry" / "rank-00000", rank=0, world_size=2, hold="input")
+    (root / "notes").mkdir()  # no bundle below: not named
+    result = check_incident_set(root)
+    assert result.decision == "CONTINUE_BOUNDED_DIAGNOSTICS" and result.nested_sets == ("retry",)
+    assert set_document(result)["nested_sets"] == ["retry"]
+    text = run("check", str(root))
+    assert text.returncode == 0
+    assert "Not judged: retry holds bundles one level down" in text.stdout
+    assert check_incident_set(make_set(tmp_path / "plain", 2)).nested_sets == ()
+    assert set_document(merge_reports(_member_reports(root, tmp_path / "r")))["nested_sets"] == []
+
+
+def test_a_nested_set_is_found_among_many_members(tmp_path: Path) -> None:
+    """Members are not looked into for bundles below: a nested set sorting after
+    a hundred members is still named."""
+    root = make_set(tmp_path / "set", 100)
+    rank_bundle(root / "zz-retry" / "rank-00000", rank=0, world_size=100)
+    assert check_incident_set(root, workers=2).nested_sets == ("zz-retry",)
+
+
 def test_a_rejected_bundle_report_says_what_it_declares(tmp_path: Path) -> None:
     member = rank_bundle(tmp_path / "m", rank=3, world_size=4)
     reject_data(member)

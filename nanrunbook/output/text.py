@@ -227,6 +227,8 @@ class TextRenderer(Renderer):
         console.print()
         for line in _rank_lines(result):
             console.print(line)
+        if result.nested_sets:
+            console.print(Text(_nested_note(result), style="yellow"))
         if result.path is not None and result.members:
             command = f"nanrunbook check --format json {quote(result.path)}"
             console.print(Text(f"Every member's whole report: {command}"))
@@ -1038,6 +1040,17 @@ def _print_set_rejection(console: Any, result: IncidentSet) -> None:
         console.print(
             Text(f"  and {hidden} violations of rejected members (--format json or kv lists them)")
         )
+
+
+def _nested_note(result: IncidentSet) -> str:
+    """The subdirectories holding bundles one level down: this answer is not theirs."""
+    names = result.nested_sets
+    listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    holds = "holds" if len(names) == 1 else "hold"
+    return (
+        f"Not judged: {listed} {holds} bundles one level down, not members of this set"
+        " (a member is a subdirectory with manifest.json); check each on its own."
+    )
 
 
 def _what_it_holds(result: IncidentSet) -> str:

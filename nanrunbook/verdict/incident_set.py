@@ -150,6 +150,10 @@ class IncidentSet:
     origin: str
     action: str | None  # None when REJECTED
     violations: tuple[SetViolation, ...]  # why it is REJECTED; () otherwise
+    # Subdirectories that are not members but hold bundles one level down (a set
+    # nested in this one): not judged, as spec section 11 ignores them; named so
+    # that nobody takes this answer for theirs.
+    nested_sets: tuple[str, ...] = ()
     root_cause_claim: str = ROOT_CAUSE_CLAIM
     contract_version: str = CONTRACT_VERSION
     report_format: str = SET_REPORT_FORMAT
@@ -190,9 +194,12 @@ def judge_set(
     path: str | None = None,
     merged_from: Sequence[str] = (),
     unlisted: str | None = None,
+    nested_sets: Sequence[str] = (),
 ) -> IncidentSet:
     """The set's answer from its members' verdicts (spec section 11); ``unlisted``
-    says why the set's members could not be listed, if they could not."""
+    says why the set's members could not be listed, if they could not;
+    ``nested_sets`` names the subdirectories holding bundles one level down,
+    which are not members (see :attr:`IncidentSet.nested_sets`)."""
     members = tuple(sorted(members, key=lambda m: m.name))
     violations = _set_violations(members, unlisted)
     world_size = reference_value(members, lambda m: m.declared.world_size)
@@ -227,6 +234,7 @@ def judge_set(
         origin=origin,
         action=action.get(decision),
         violations=tuple(violations),
+        nested_sets=tuple(nested_sets),
     )
 
 
@@ -379,6 +387,7 @@ def set_document(result: IncidentSet) -> dict[str, Any]:
             {"code": v.code, "where": v.where, "message": v.message} for v in result.violations
         ],
         "members": [_member_document(m) for m in result.members],
+        "nested_sets": list(result.nested_sets),
     }
 
 
