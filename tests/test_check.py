@@ -171,6 +171,28 @@ def test_kv_rejection() -> None:
     assert "rm -rf" not in "\n".join(lines)
 
 
+def test_a_stage_record_with_its_own_violation_leaves_the_others_compared(
+    tmp_path: Path,
+) -> None:
+    """One stage record's own violation (a text too long) does not hide a repeated id
+    or a cap among the others; the order and transitions, which need all five
+    records, wait for the next check (man 5, ORDER OF CHECKING)."""
+    bundle = copy_fixture(tmp_path)
+    manifest = load(bundle)
+    stages = manifest["stages"]
+    stages[0]["tensor_set"]["probe_source"] = "p" * 1025
+    stages[2]["telemetry_id"] = stages[1]["telemetry_id"]
+    save(bundle, manifest)
+    widest = max(range(1, 5), key=lambda k: len(stages[k].get("tensors", [])))
+    cap = nanrunbook.Caps(max_stage_tensors=len(stages[widest]["tensors"]) - 1)
+    with pytest.raises(EvidenceRejected) as caught:
+        check_bundle(bundle, caps=cap)
+    found = [(v.code, v.where) for v in caught.value.violations]
+    assert ("TEXT_INVALID", "$.stages[0].tensor_set.probe_source") in found
+    assert ("TELEMETRY_ID_DUPLICATE", "$.stages[2].telemetry_id") in found
+    assert ("CAP_STAGE_TENSORS", f"$.stages[{widest}].tensors") in found
+
+
 def test_kv_where_hides_untrusted_keys() -> None:
     assert kv_where("$.stages[0].counts") == "$.stages[0].counts"
     assert kv_where("$.binding.model['$(reboot) x']") == "$.binding.model[?]"

@@ -132,9 +132,13 @@ def parse_manifest(
             f"last known-good step {lkg.step} is not before run step {step}",
         )
     binding = _binding(sink, top.raw("binding"), top.at("binding")) if top.has("binding") else None
-    stages = _stages(sink, top) if top.has("stages") else None
+    read = _stages(sink, top) if top.has("stages") else None
+    stages = _all_five(read)
     if stages is not None:
         sink.violations.extend(_across_records(stages, binding, caps or Caps()))
+    elif read:  # a record with violations of its own: the others are still compared
+        records = {index: record for index, record in enumerate(read) if record is not None}
+        sink.violations.extend(rules.records_violations(records, "$.stages", caps or Caps()))
 
     if sink.violations:
         return None, sink.violations
@@ -338,17 +342,23 @@ def _scaler(sink: Sink, fields: Fields) -> Scaler | None:
     return None if problems else scaler
 
 
-def _stages(sink: Sink, top: Fields) -> tuple[StageRecord, ...] | None:
+def _stages(sink: Sink, top: Fields) -> list[StageRecord | None] | None:
+    """Each stage record, None where it has violations of its own; None when
+    ``stages`` is not an array."""
     records = top.array("stages")
     if records is None:
         return None
     path = top.at("stages")
     if len(records) != len(STAGE_ORDER):
         sink.add("STAGES_NOT_FIVE", path, f"expected exactly 5 stage records, got {len(records)}")
-    parsed = [_stage(sink, value, child_path(path, i)) for i, value in enumerate(records)]
-    if len(records) != len(STAGE_ORDER) or any(record is None for record in parsed):
+    return [_stage(sink, value, child_path(path, i)) for i, value in enumerate(records)]
+
+
+def _all_five(read: list[StageRecord | None] | None) -> tuple[StageRecord, ...] | None:
+    """The five records, when there are five and each was read without violation."""
+    if read is None or len(read) != len(STAGE_ORDER) or any(r is None for r in read):
         return None
-    return tuple(r for r in parsed if r is not None)
+    return tuple(record for record in read if record is not None)
 
 
 STAGE_FIELDS = (

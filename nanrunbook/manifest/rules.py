@@ -24,6 +24,7 @@ __all__ = [
     "caps_violations",
     "counts_violations",
     "found_inf_violations",
+    "records_violations",
     "scaled_gradients_violations",
     "scaler_violations",
     "sequence_violations",
@@ -279,18 +280,26 @@ def _finite_max_abs_violations(
 def stage_set_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> list[Violation]:
     """Order, transitions, unique identities and caps across the five records."""
     found = sequence_violations(stages, path)
-    found.extend(_unique(stages, path))
+    found.extend(records_violations(dict(enumerate(stages)), path, caps))
+    return found
+
+
+def records_violations(stages: Mapping[int, StageRecord], path: str, caps: Caps) -> list[Violation]:
+    """Unique identities and caps across the stage records, by their index in the
+    manifest's array: all five, or those read when another has violations of its
+    own (order and transitions need all five; identities and caps do not)."""
+    found = list(_unique(stages, path))
     found.extend(caps_violations(stages, path, caps))
     return found
 
 
-def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
+def _unique(stages: Mapping[int, StageRecord], path: str) -> Iterable[Violation]:
     telemetry: set[str] = set()
     tensor_sets: set[str] = set()
     names: set[str] = set()
-    every_name = list(chain.from_iterable(map(_names, stages)))
+    every_name = list(chain.from_iterable(map(_names, stages.values())))
     repeats = len(set(every_name)) < len(every_name)  # else no entry to look for
-    for index, stage in enumerate(stages):
+    for index, stage in stages.items():
         where = f"{path}[{index}]"
         if stage.telemetry_id in telemetry:
             yield Violation(
@@ -316,10 +325,10 @@ def _unique(stages: Sequence[StageRecord], path: str) -> Iterable[Violation]:
             names.add(tensor.name)
 
 
-def caps_violations(stages: Sequence[StageRecord], path: str, caps: Caps) -> list[Violation]:
+def caps_violations(stages: Mapping[int, StageRecord], path: str, caps: Caps) -> list[Violation]:
     found: list[Violation] = []
     total = 0
-    for index, stage in enumerate(stages):
+    for index, stage in stages.items():
         where = f"{path}[{index}]"
         if len(stage.tensors) > caps.max_stage_tensors:
             found.append(
