@@ -95,11 +95,11 @@ CODES = {
     "EVIDENCE_CONTENT_ID_INVALID": "evidence_content_id is not training-incident-evidence@sha256:<64 hex>",
     "DIGEST_INVALID": "a tensor sha256 is not 64 lowercase hex digits",
     "DTYPE_UNKNOWN": "a dtype name that safetensors does not define",
-    "SHAPE_INVALID": "a shape is not an array of integers >= 0",
+    "SHAPE_INVALID": "a shape array holds an item that is not an integer >= 0",
     "LAST_KNOWN_GOOD_INCOMPLETE": "verified_together is not exactly model, optimizer, scheduler, "
     "scaler and data_position, each once",
-    "TOPOLOGY_INVALID": "rank is not within 0 <= rank < world_size",
-    "STAGES_NOT_FIVE": "stages is not an array of exactly five records",
+    "TOPOLOGY_INVALID": "rank is not below world_size",
+    "STAGES_NOT_FIVE": "stages is an array of other than five records",
     "STAGE_FIELD_NOT_ALLOWED": "a stage field its status or stage forbids (NOT_RUN with tensors, "
     "gradients outside backward, ...)",
     "ENTRY_FIELD_NOT_ALLOWED": "a summary tensor entry carries file or sha256",
