@@ -1042,20 +1042,22 @@ def _print_set_rejection(console: Any, result: IncidentSet) -> None:
         )
 
 
+def _first_five(names: Sequence[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def _nested_note(result: IncidentSet) -> str:
     """The subdirectories holding bundles one level down: this answer is not theirs."""
     names = result.nested_sets
-    listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     holds = "holds" if len(names) == 1 else "hold"
     return (
-        f"Not judged: {listed} {holds} bundles one level down, not members of this set"
-        " (a member is a subdirectory with manifest.json); check each on its own."
+        f"Not judged: {_first_five(names)} {holds} bundles one level down, not members of this"
+        " set (a member is a subdirectory with manifest.json); check each on its own."
     )
 
 
 def _what_it_holds(result: IncidentSet) -> str:
-    names = [_quoted(m.name) for m in result.members]
-    listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    listed = _first_five([_quoted(m.name) for m in result.members])
     runs = {m.declared.run_id for m in result.members if m.declared.run_id is not None}
     steps = {m.declared.step for m in result.members if m.declared.step is not None}
     of = f"of {len(runs)} run{'s' if len(runs) != 1 else ''} and"
