@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAN1 = ROOT / "man" / "nanrunbook.1"
 MAN5 = ROOT / "man" / "nanrunbook-bundle.5"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 CHANGELOG = ROOT / "CHANGELOG.md"
 COMPLETIONS = {"bash": "nanrunbook.bash", "zsh": "_nanrunbook", "fish": "nanrunbook.fish"}
 GROFF = shutil.which("groff")
@@ -544,15 +545,14 @@ def test_readme_lists_the_public_api() -> None:
 
 
 def test_readme_points_at_pages_completion_and_schema() -> None:
-    readme = README.read_text()
-    for needle in (
-        "man -l man/nanrunbook.1",
-        "man nanrunbook",
-        "make install",
-        "--install-completion",
-        "nanrunbook schema",
+    for needle, page in (
+        ("man -l man/nanrunbook.1", README),
+        ("man nanrunbook", README),
+        ("make install", README),
+        ("--install-completion", README),
+        ("nanrunbook schema", DOCS / "check.md"),
     ):
-        assert needle in readme, needle
+        assert needle in page.read_text(), (needle, page.name)
 
 
 def test_changelog_names_the_current_version() -> None:
