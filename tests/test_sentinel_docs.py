@@ -103,9 +103,9 @@ def test_the_exceptions_attributes_are_documented() -> None:
     assert set(tags(sections(PAGE)["EXCEPTION"])) == public
 
 
-def test_readme_shows_the_loop_before_and_after() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## The sentinel", 1)[1].split("\n## ", 1)[0]
+def test_the_sentinel_page_shows_the_loop_before_and_after() -> None:
+    page = (ROOT / "docs" / "sentinel.md").read_text()
+    section = page.split("## The sentinel", 1)[1].split("\n## ", 1)[0]
     assert "Before" in section and "After" in section
     assert "sentinel.forward(batch)" in section and "sentinel.checkpointed(" in section
-    assert "man -l man/nanrunbook-sentinel.7" in readme
+    assert "man -l man/nanrunbook-sentinel.7" in page
