@@ -1,4 +1,4 @@
-"""The man pages, --help, completion, README and CHANGELOG stay true to the code."""
+"""The man pages, --help, completion, README, docs/ and CHANGELOG stay true to the code."""
 
 from __future__ import annotations
 
@@ -515,12 +515,12 @@ def test_make_install_puts_pages_where_man_finds_them(tmp_path: Path) -> None:
     assert not any(path.exists() for path in installed)
 
 
-# --------------------------------------------------------- README, CHANGELOG
+# ------------------------------------------------------------ docs/, CHANGELOG
 
 
-def test_readme_lists_the_public_api() -> None:
-    readme = README.read_text()
-    api = readme.split("## Library API", 1)[1].split("\n## ", 1)[0]
+def test_the_api_page_lists_the_public_api() -> None:
+    page = (DOCS / "api.md").read_text()
+    api = page.split("## Library API", 1)[1].split("\n## ", 1)[0]
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
@@ -544,12 +544,12 @@ def test_readme_lists_the_public_api() -> None:
     assert table == public
 
 
-def test_readme_points_at_pages_completion_and_schema() -> None:
+def test_the_docs_point_at_pages_completion_and_schema() -> None:
     for needle, page in (
-        ("man -l man/nanrunbook.1", README),
-        ("man nanrunbook", README),
-        ("make install", README),
-        ("--install-completion", README),
+        ("man -l man/nanrunbook.1", DOCS / "install.md"),
+        ("man nanrunbook", DOCS / "install.md"),
+        ("make install", DOCS / "install.md"),
+        ("--install-completion", DOCS / "install.md"),
         ("nanrunbook schema", DOCS / "check.md"),
     ):
         assert needle in page.read_text(), (needle, page.name)
