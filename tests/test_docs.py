@@ -555,6 +555,55 @@ def test_the_docs_point_at_pages_completion_and_schema() -> None:
         assert needle in page.read_text(), (needle, page.name)
 
 
+def headings(page: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings (fenced code skipped)."""
+    anchors, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readme_and_docs_links_resolve() -> None:
+    pages = [README, *sorted(DOCS.glob("*.md"))]
+    assert {page.name for page in pages} >= {"check.md", "sentinel.md", "api.md"}
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), (page.name, target)
+            assert ROOT in linked.parents or linked == ROOT, (page.name, target)
+            if anchor:
+                assert anchor in headings(linked), (page.name, target)
+
+
+def test_every_docs_page_is_in_the_readme_index() -> None:
+    index = README.read_text().split("## Documentation", 1)[1]
+    for page in DOCS.glob("*.md"):
+        assert f"](docs/{page.name})" in index, page.name
+
+
+def test_the_readme_shows_what_check_prints_and_exits() -> None:
+    section = README.read_text().split("## Checking a bundle", 1)[1].split("\n## ", 1)[0]
+    shown = section.split("the text begins:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert "and it exits 1." in section
+    done = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "check", "fixtures/hold-backward-dynamic-skip"],
+        env={**os.environ, "COLUMNS": "80", "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    printed = done.stdout.splitlines()
+    assert len(shown) == 5 and [line.removeprefix("    ") for line in shown] == printed[:5]
+
+
 def test_changelog_names_the_current_version() -> None:
     text = CHANGELOG.read_text()
     assert "keepachangelog.com" in text
