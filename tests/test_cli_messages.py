@@ -74,6 +74,7 @@ def test_a_bad_number_reads_as_a_sentence() -> None:
     assert done.returncode == 2 and "outside 1 to" in done.stderr
 
 
-def test_readme_exit_table_says_a_non_bundle_path_is_3() -> None:
-    readme = (FIXTURES.parent / "README.md").read_text()
-    assert "not a bundle" in readme and "answers 3" in readme
+def test_docs_exit_table_says_a_non_bundle_path_is_3() -> None:
+    page = (FIXTURES.parent / "docs" / "check.md").read_text()
+    exits = page.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert "not a bundle" in exits and "answers 3" in exits

@@ -1,4 +1,4 @@
-"""The man pages, --help, completion, README and CHANGELOG stay true to the code."""
+"""The man pages, --help, completion, README, docs/ and CHANGELOG stay true to the code."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAN1 = ROOT / "man" / "nanrunbook.1"
 MAN5 = ROOT / "man" / "nanrunbook-bundle.5"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 CHANGELOG = ROOT / "CHANGELOG.md"
 COMPLETIONS = {"bash": "nanrunbook.bash", "zsh": "_nanrunbook", "fish": "nanrunbook.fish"}
 GROFF = shutil.which("groff")
@@ -514,12 +515,12 @@ def test_make_install_puts_pages_where_man_finds_them(tmp_path: Path) -> None:
     assert not any(path.exists() for path in installed)
 
 
-# --------------------------------------------------------- README, CHANGELOG
+# ------------------------------------------------------------ docs/, CHANGELOG
 
 
-def test_readme_lists_the_public_api() -> None:
-    readme = README.read_text()
-    api = readme.split("## Library API", 1)[1].split("\n## ", 1)[0]
+def test_the_api_page_lists_the_public_api() -> None:
+    page = (DOCS / "api.md").read_text()
+    api = page.split("## Library API", 1)[1].split("\n## ", 1)[0]
     table = set(re.findall(r"^\| `([^`]+)`", api, re.MULTILINE))
     public = {f"nanrunbook.{name}" for name in nanrunbook.__all__}
     public |= {f"nanrunbook.capture.{name}" for name in nanrunbook.capture.__all__}
@@ -543,16 +544,64 @@ def test_readme_lists_the_public_api() -> None:
     assert table == public
 
 
-def test_readme_points_at_pages_completion_and_schema() -> None:
-    readme = README.read_text()
-    for needle in (
-        "man -l man/nanrunbook.1",
-        "man nanrunbook",
-        "make install",
-        "--install-completion",
-        "nanrunbook schema",
+def test_the_docs_point_at_pages_completion_and_schema() -> None:
+    for needle, page in (
+        ("man -l man/nanrunbook.1", DOCS / "install.md"),
+        ("man nanrunbook", DOCS / "install.md"),
+        ("make install", DOCS / "install.md"),
+        ("--install-completion", DOCS / "install.md"),
+        ("nanrunbook schema", DOCS / "check.md"),
     ):
-        assert needle in readme, needle
+        assert needle in page.read_text(), (needle, page.name)
+
+
+def headings(page: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings (fenced code skipped)."""
+    anchors, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readme_and_docs_links_resolve() -> None:
+    pages = [README, *sorted(DOCS.glob("*.md"))]
+    assert {page.name for page in pages} >= {"check.md", "sentinel.md", "api.md"}
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), (page.name, target)
+            assert ROOT in linked.parents or linked == ROOT, (page.name, target)
+            if anchor:
+                assert anchor in headings(linked), (page.name, target)
+
+
+def test_every_docs_page_is_in_the_readme_index() -> None:
+    index = README.read_text().split("## Documentation", 1)[1]
+    for page in DOCS.glob("*.md"):
+        assert f"](docs/{page.name})" in index, page.name
+
+
+def test_the_readme_shows_what_check_prints_and_exits() -> None:
+    section = README.read_text().split("## Checking a bundle", 1)[1].split("\n## ", 1)[0]
+    shown = section.split("the text begins:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert "and it exits 1." in section
+    done = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "check", "fixtures/hold-backward-dynamic-skip"],
+        env={**os.environ, "COLUMNS": "80", "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    printed = done.stdout.splitlines()
+    assert len(shown) == 5 and [line.removeprefix("    ") for line in shown] == printed[:5]
 
 
 def test_changelog_names_the_current_version() -> None:
