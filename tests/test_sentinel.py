@@ -507,6 +507,7 @@ def test_telemetry_line_shape(tmp_path: Path) -> None:
         "bundle",
         "activations",
         "lr",
+        "grad_headroom_from",
     ]
     assert line["format"] == TELEMETRY_FORMAT == "nanrunbook-telemetry/1"
     assert (line["run_id"], line["rank"], line["world_size"], line["step"]) == ("shape", 0, 1, 5)
@@ -525,6 +526,7 @@ def test_telemetry_line_shape(tmp_path: Path) -> None:
     assert line["scale"] == 2.0**11 and isinstance(line["loss"], float)  # grew once, at step 4
     expected = math.log2(3.4028234663852886e38 / line["grad"]["max_abs"])
     assert line["grad"]["headroom_bits"] == pytest.approx(expected)
+    assert line["grad_headroom_from"] == "max_abs"  # a sampled step: measured
     assert list(line["activations"]) == ["max_abs", "where", "dtype", "headroom_bits", "nonfinite"]
 
 

@@ -1,5 +1,5 @@
-"""The sentinel's per-step checks on what real loops hand them: fp8 tensors,
-tensors on several devices."""
+"""The sentinel's per-step checks on what real loops hand them: gradients read
+through clipping's norm, fp8 tensors, tensors on several devices."""
 
 from __future__ import annotations
 
@@ -14,6 +14,74 @@ from torch import nn
 
 from nanrunbook.capture.telemetry import Thresholds
 from nanrunbook.capture.torch import SentinelHold
+from nanrunbook.dtypes import DTYPES
+
+# ------------------------------------------------------ headroom through clipping
+
+
+def _clipped_run(tmp: Path, clip: bool, sample_every: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
+
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        loss_fn,
+        thresholds=Thresholds(sample_every=sample_every),
+        **facts("clipped", tmp),
+    )
+    for i in range(1, 7):
+        optimizer.zero_grad()
+        sentinel.forward(regression_batch(i)).backward()
+        if clip:
+            sentinel.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    sentinel.close()
+    return telemetry(tmp, "clipped")
+
+
+def test_clipping_through_the_sentinel_gives_a_headroom_bounded_by_the_norm(
+    tmp_path: Path,
+) -> None:
+    """|g_i| <= ||g||_2: the norm clipping computed bounds every gradient, so the
+    headroom is known on every step (a lower bound, and the line says so)."""
+    lines = _clipped_run(tmp_path, clip=True, sample_every=3)
+    f32_max = DTYPES["F32"].max_finite
+    assert f32_max is not None
+    for line in lines:
+        grad = line["grad"]
+        assert grad["headroom_bits"] is not None, line
+        if line["step"] % 3:
+            assert line["grad_headroom_from"] == "total_norm"
+            assert grad["headroom_bits"] == pytest.approx(math.log2(f32_max / grad["norm"]))
+        else:  # sampled: the exact max abs, never above the norm
+            assert line["grad_headroom_from"] == "max_abs"
+            assert grad["max_abs"] <= grad["norm"]
+        assert list(line)[-1] == "grad_headroom_from"  # appended at the end of the line
+
+
+def test_without_clipping_the_headroom_says_it_is_from_the_tensor_norms(tmp_path: Path) -> None:
+    lines = _clipped_run(tmp_path, clip=False, sample_every=0)
+    assert {line["grad_headroom_from"] for line in lines} == {"tensor_norm"}
+    assert all(line["grad"]["headroom_bits"] is not None for line in lines)
+
+
+def test_clipping_part_of_the_parameters_bounds_nothing_it_did_not_see(tmp_path: Path) -> None:
+    """A norm over some parameters says nothing of the others' gradients."""
+    from nanrunbook.capture.torch.steps import ClipCall
+
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    call = ClipCall([a], 1.0, 2.0, None, torch.tensor(1.4))
+    assert not call.bounds_every_gradient([a, b])
+    assert call.bounds_every_gradient([a])
+    b.grad = None
+    assert call.bounds_every_gradient([a, b])
+
 
 # ------------------------------------------------------------------------- fp8
 

@@ -27,6 +27,7 @@ __all__ = [
     "Alert",
     "EarlyWarnings",
     "GradTelemetry",
+    "HeadroomSource",
     "StepTelemetry",
     "TelemetryFile",
     "Thresholds",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 LossClass = Literal["finite", "nan", "posinf", "neginf"]
+HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]
 
 
 def _finite(value: float | None) -> float | None:
@@ -107,9 +109,11 @@ class StepTelemetry:
     held: bool
     warnings: tuple[Alert, ...] = ()
     bundle: str | None = None
-    # Appended to the fixed shape: sampled activations, the first group's lr.
+    # Appended to the fixed shape: sampled activations, the first group's lr,
+    # what grad.headroom_bits was taken from (record.HEADROOM_SOURCES).
     activations: Activations | None = None
     lr: float | None = None
+    grad_headroom_from: HeadroomSource | None = None
 
     def line(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": TELEMETRY_FORMAT}
