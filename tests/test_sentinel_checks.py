@@ -246,3 +246,26 @@ def test_the_one_read_is_made_on_the_accelerator(monkeypatch: pytest.MonkeyPatch
     values = readout.read()
     assert reads == ["meta"]
     assert {k: len(v) for k, v in values.items()} == {"host": 2, "device": 3, "host-too": 1}
+
+
+def test_the_scalers_flags_and_the_sampled_extremes_join_on_the_accelerator() -> None:
+    """A GradScaler keeps a found_inf per device; sampled activation extremes
+    come from each module's device: both are joined where the read is made."""
+    from types import SimpleNamespace
+
+    from nanrunbook.capture.torch.checks import Readout
+    from nanrunbook.capture.torch.decide import Decisions
+    from nanrunbook.capture.torch.steps import StepRecord
+
+    optimizer = object()
+    per_device = {"cpu": torch.zeros(()), "meta": torch.zeros((), device="meta")}
+    scaler = SimpleNamespace(
+        _per_optimizer_states={id(optimizer): {"found_inf_per_device": per_device}}
+    )
+    found = Decisions._found_inf(SimpleNamespace(scaler=scaler, optimizer=optimizer))  # type: ignore[arg-type]
+    assert found.device.type == "meta"
+    sampler = SimpleNamespace(values=[torch.ones(()), torch.ones((), device="meta")])
+    step = StepRecord(1, 0.0, None, sampler)  # type: ignore[arg-type]
+    readout = Readout()
+    step.pack_sampled(readout, [])
+    assert readout._parts[0].device.type == "meta"

@@ -35,6 +35,7 @@ __all__ = [
     "counted",
     "exact_counts",
     "gradients",
+    "joined",
     "max_rows",
     "nonfinite_flag",
 ]
@@ -70,7 +71,7 @@ def _home(values: Sequence[Any]) -> Any:
     return values[0].device
 
 
-def _joined(values: Sequence[Any]) -> list[Any]:
+def joined(values: Sequence[Any]) -> list[Any]:
     """``values`` on their :func:`_home`; a host value goes to an accelerator
     without waiting (non_blocking: no stream synchronisation)."""
     home = _home(values)
@@ -171,9 +172,9 @@ class GradNorms:
         ]
         if not per_group:
             return None
-        total = torch.linalg.vector_norm(torch.cat(_joined([n for _, n in per_group])))
+        total = torch.linalg.vector_norm(torch.cat(joined([n for _, n in per_group])))
         bounds = {
-            name: torch.stack(_joined([n.max() for n in norms])).amax()
+            name: torch.stack(joined([n.max() for n in norms])).amax()
             for name, norms in _by_name(per_group).items()
         }
         return cls(total, bounds)
@@ -225,7 +226,7 @@ def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
         per_group.append((dtype, torch.stack(per)))
     rows, names = [], []
     for name, parts in _by_name(per_group).items():
-        stacked = torch.cat(_joined(parts))
+        stacked = torch.cat(joined(parts))
         rows.append(torch.cat([stacked[:, :3].sum(0), stacked[:, 3:].amax(0)]))
         names.append(name)
     if not rows:
@@ -246,8 +247,8 @@ def max_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
     named = _by_name(per_group)
     if not named:
         return [], torch.zeros(0)
-    maxima = [torch.cat(_joined(parts)).amax() for parts in named.values()]
-    return list(named), torch.stack(_joined(maxima))
+    maxima = [torch.cat(joined(parts)).amax() for parts in named.values()]
+    return list(named), torch.stack(joined(maxima))
 
 
 def counted(names: Sequence[str], values: Sequence[float]) -> list[Counted]:
@@ -311,5 +312,5 @@ class Readout:
     def read(self) -> dict[str, list[float]]:
         if not self._parts:
             return {}
-        values = torch.cat(_joined(self._parts)).tolist()  # the one sync
+        values = torch.cat(joined(self._parts)).tolist()  # the one sync
         return {name: values[a:b] for name, (a, b) in self._slots.items()}

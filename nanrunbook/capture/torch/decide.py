@@ -28,7 +28,7 @@ from nanrunbook.capture.telemetry import (
     headroom_bits,
     magnitude_alerts,
 )
-from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients
+from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients, joined
 from nanrunbook.capture.torch.convert import safetensors_dtype
 from nanrunbook.capture.torch.evidence import StepObjects, capture_step
 from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
@@ -137,7 +137,7 @@ class Decisions:
     def _found_inf(self) -> Any:
         per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
         flags = list(per_device.values())
-        return torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
+        return torch.stack(joined(flags)).sum() if flags else None
 
     def _read_step(
         self, step: StepRecord, values: dict[str, list[float]], grads: list[Any], count: bool

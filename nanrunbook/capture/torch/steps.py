@@ -25,6 +25,7 @@ from nanrunbook.capture.torch.checks import (
     GradNorms,
     Readout,
     exact_counts,
+    joined,
     max_rows,
     nonfinite_flag,
 )
@@ -162,9 +163,7 @@ class StepRecord:
             readout.add("grad_max", maxima)
         sampler = self.sampler
         if sampler is not None and sampler.values:
-            readout.add(
-                "act", torch.stack([v.to(sampler.values[0].device) for v in sampler.values])
-            )
+            readout.add("act", torch.stack(joined(sampler.values)))
         return names
 
     def read_activations(self, values: dict[str, list[float]]) -> None:
