@@ -39,5 +39,9 @@ WARNING_CODES = MappingProxyType(
             "a checkpoint did not verify all five recovery parts together;"
             " the last known-good state stays the previous one"
         ),
+        "TELEMETRY_LINES_LOST": (
+            "telemetry lines could not be written (a full disk, say): how many, between"
+            " which steps; training went on"
+        ),
     }
 )

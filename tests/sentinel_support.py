@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, probe, tensor_to_raw
 
@@ -194,6 +195,7 @@ def quiet_thresholds(**changes: Any) -> Thresholds:
 __all__ = [
     "PARTS",
     "Classifier",
+    "HostSyncs",
     "Pooler",
     "Ran",
     "Regressor",
@@ -283,3 +285,155 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
 def _changed(after: dict[str, Any], before: dict[str, Any]) -> list[str]:
     """The state entries that differ (for a failing assertion's message)."""
     return sorted(k for k in set(after) | set(before) if after.get(k) != before.get(k))
+
+
+# ------------------------------------------------------------ host syncs
+
+
+class HostSyncs:
+    """Counts, by kind, every operation that would make the host wait for a
+    device value on an accelerator, though on CPU nothing waits: a scalar
+    read (``.item()``, ``bool()``, ``float()``: ``_local_scalar_dense``),
+    ``.tolist()`` and ``.numpy()``, a copy to the host (``.cpu()``,
+    ``.to("cpu")``, and any copy from an accelerator's memory into the
+    host's), an output whose size depends on the values (``nonzero``,
+    ``masked_select``, boolean-mask indexing, ``unique``,
+    ``repeat_interleave`` without ``output_size``) and ``torch.equal``.
+
+    Python-level calls (tolist, numpy, cpu, to) are seen by a
+    ``TorchFunctionMode`` (on CPU they reach no kernel), the rest by a
+    ``TorchDispatchMode`` at the aten op. An optimizer's ``state["step"]``
+    tensors are left out: torch keeps them on the host unless ``capturable``,
+    so reading them (AdamW does, per parameter and step) never waits."""
+
+    def __init__(self, optimizers: tuple[Any, ...] | list[Any] = ()) -> None:
+        from collections import Counter
+
+        self.kinds: Counter[str] = Counter()
+        self._optimizers = list(optimizers)
+        self._modes: list[Any] = []
+        self.inside = False  # within a read counted at the Python call
+
+    @property
+    def count(self) -> int:
+        return sum(self.kinds.values())
+
+    def __enter__(self) -> HostSyncs:
+        self._modes = [_FunctionSide(self), _DispatchSide(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def _host_resident(self, tensor: Any) -> bool:
+        """An optimizer's CPU step counter (by storage: the dispatcher may hand
+        over another Python object for the same tensor)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            return False
+        where = tensor.untyped_storage().data_ptr()
+        for optimizer in self._optimizers:
+            for state in optimizer.state.values():
+                step = state.get("step") if isinstance(state, dict) else None
+                if isinstance(step, torch.Tensor) and step.untyped_storage().data_ptr() == where:
+                    return True
+        return False
+
+    def saw(self, kind: str, tensor: Any) -> None:
+        if not self.inside and not self._host_resident(tensor):
+            self.kinds[kind] += 1
+
+
+def _to_host(args: Any, kwargs: Any) -> bool:
+    """Whether a ``Tensor.to`` call names the host by name (``"cpu"``). A
+    ``torch.device`` is not counted: code passes one it took from another
+    tensor (``t.to(flags[0].device)``), which is the accelerator on one and
+    the host only here, where everything is; a real copy off an accelerator
+    is counted at the aten op."""
+    targets = [*args[1:], kwargs.get("device")]
+    return any(isinstance(t, str) and torch.device(t).type == "cpu" for t in targets)
+
+
+class _FunctionSide(torch.overrides.TorchFunctionMode):
+    def __init__(self, counter: HostSyncs) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = {
+            torch.Tensor.tolist: "tolist",
+            torch.Tensor.numpy: "numpy",
+            torch.Tensor.cpu: "to_host",
+        }.get(func)
+        if kind is None and func is torch.Tensor.to and _to_host(args, kwargs):
+            kind = "to_host"
+        if kind is None:
+            return func(*args, **kwargs)
+        self.counter.saw(kind, args[0] if args else None)
+        self.counter.inside = True  # the copy it makes is this read, not another
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counter.inside = False
+
+
+_DATA_DEPENDENT = {
+    "_local_scalar_dense": "item",
+    "nonzero": "nonzero",
+    "masked_select": "masked_select",
+    "equal": "equal",
+    "_unique": "unique",
+    "_unique2": "unique",
+    "unique_dim": "unique",
+    "unique_consecutive": "unique",
+}
+
+
+def _boolean_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], list | tuple) else ()
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
+class _DispatchSide(TorchDispatchMode):
+    def __init__(self, counter: HostSyncs) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        first = args[0] if args else None
+        if name in _DATA_DEPENDENT:
+            self.counter.saw(_DATA_DEPENDENT[name], first)
+        elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _boolean_index(
+            args
+        ):
+            self.counter.saw("boolean_index", first)
+        elif name == "repeat_interleave" and isinstance(first, torch.Tensor):
+            if kwargs.get("output_size") is None:
+                self.counter.saw("repeat_interleave", first)
+        elif name in ("_to_copy", "copy_", "_copy_from") and _device_to_host(name, args, kwargs):
+            self.counter.saw("to_host", first)
+        return func(*args, **kwargs)
+
+
+def _device_to_host(name: str, args: Any, kwargs: Any) -> bool:
+    """A copy from an accelerator into host memory (seen only off CPU)."""
+    if name == "_to_copy":
+        source, device = args[0], kwargs.get("device")
+        return source.device.type != "cpu" and device is not None and device.type == "cpu"
+    if name == "copy_":
+        dest, source = args[0], args[1]
+    else:
+        source, dest = args[0], args[1]
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(dest, torch.Tensor)
+        and source.device.type != "cpu"
+        and dest.device.type == "cpu"
+    )

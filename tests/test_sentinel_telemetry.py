@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -118,6 +119,7 @@ _count = st.integers(0, 2**40)
     skipped=st.booleans(),
     held=st.booleans(),
     with_update=st.booleans(),
+    headroom_from=st.none() | st.sampled_from(["max_abs", "tensor_norm", "total_norm"]),
 )
 def test_every_sentinel_line_reads_back_with_the_watch_parser(
     loss: float,
@@ -128,6 +130,7 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     skipped: bool,
     held: bool,
     with_update: bool,
+    headroom_from: Any,
 ) -> None:
     import orjson
 
@@ -138,7 +141,13 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
         headroom_bits,
         loss_class,
     )
-    from nanrunbook.telemetry.record import TELEMETRY_FORMAT, parse_record, record_document
+    from nanrunbook.telemetry.record import (
+        HEADROOM_SOURCES,
+        TELEMETRY_FORMAT,
+        common_line,
+        parse_record,
+        record_document,
+    )
 
     nan, posinf, neginf = counts
     line = StepTelemetry(
@@ -158,8 +167,10 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
         skipped=skipped,
         held=held,
         bundle=None,
+        grad_headroom_from=headroom_from,
     ).line()
-    document = orjson.loads(orjson.dumps(line))
+    raw = orjson.dumps(line)
+    document = orjson.loads(raw)
     assert document["format"] == TELEMETRY_FORMAT
     record = parse_record(document)
     assert record.step == 7 and record.held is held and record.skipped is skipped
@@ -167,3 +178,31 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     # The reader writes back exactly the fields the writer put in the fixed shape.
     fixed = record_document(record)
     assert {k: v for k, v in document.items() if k in fixed} == fixed
+    # The appended field: last on the line, read by both parsers, one vocabulary.
+    assert list(document)[-1] == "grad_headroom_from"
+    assert record.grad_headroom_from == headroom_from
+    assert set(HEADROOM_SOURCES) == {"max_abs", "tensor_norm", "total_norm"}
+    fast = common_line(raw)
+    if fast is not None:
+        assert fast.grad_headroom_from == headroom_from
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [("total_norm", "bounded by the total gradient norm"), ("max_abs", None), (None, None)],
+)
+def test_watch_says_which_bound_a_near_max_headroom_is(source: Any, said: str | None) -> None:
+    """watch reads grad_headroom_from: a NEAR_DTYPE_MAX it derives from a
+    headroom that is only a bound says so (the values may be further from the
+    max than it shows)."""
+    from nanrunbook.telemetry.record import GradientStats, TelemetryRecord
+    from nanrunbook.telemetry.summary import Summariser
+
+    summariser = Summariser("synthetic")
+    grad = GradientStats(0, 0, 0, None, "F16", 0.5, 40000.0)
+    record = TelemetryRecord(
+        "r", 0, 1, 3, 0.0, 1.0, "finite", grad, None, None, None, False, False, (), None,
+        source,
+    )  # fmt: skip
+    [event] = [e for e in summariser.add(record) if e.code == "NEAR_DTYPE_MAX"]
+    assert (said in event.message) if said else "bounded by" not in event.message

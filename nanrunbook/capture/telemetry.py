@@ -8,12 +8,14 @@ versions only append keys at the end.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +29,8 @@ __all__ = [
     "Alert",
     "EarlyWarnings",
     "GradTelemetry",
+    "HeadroomSource",
+    "LostLines",
     "StepTelemetry",
     "TelemetryFile",
     "Thresholds",
@@ -37,7 +41,10 @@ __all__ = [
     "mean_loss",
 ]
 
+log = logging.getLogger("nanrunbook.sentinel")
+
 LossClass = Literal["finite", "nan", "posinf", "neginf"]
+HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]
 
 
 def _finite(value: float | None) -> float | None:
@@ -107,9 +114,11 @@ class StepTelemetry:
     held: bool
     warnings: tuple[Alert, ...] = ()
     bundle: str | None = None
-    # Appended to the fixed shape: sampled activations, the first group's lr.
+    # Appended to the fixed shape: sampled activations, the first group's lr,
+    # what grad.headroom_bits was taken from (record.HEADROOM_SOURCES).
     activations: Activations | None = None
     lr: float | None = None
+    grad_headroom_from: HeadroomSource | None = None
 
     def line(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": TELEMETRY_FORMAT}
@@ -131,25 +140,84 @@ class StepTelemetry:
 
 class TelemetryFile:
     """Appends lines to a file (created with its directory); each line is written
-    whole and flushed, so a reader tailing the file sees complete lines."""
+    whole, with one unbuffered append, so a reader tailing the file sees
+    complete lines.
+
+    Telemetry never ends a healthy run: a line that cannot be written (a full
+    disk, a vanished mount) is counted, not raised, and the failure is logged
+    once per gap; a write that stopped part-way is cut back off the file. The
+    first line written again carries a TELEMETRY_LINES_LOST warning naming how
+    many lines were lost and between which steps (:attr:`lost` until then)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._handle: Any = None
+        self._fd: int | None = None
+        self.lost: LostLines | None = None  # the current gap, until a line is written
 
     def append(self, record: StepTelemetry) -> None:
         import orjson
 
-        if self._handle is None:
+        gap = self.lost
+        if gap is not None:
+            record = replace(record, warnings=(*record.warnings, gap.alert()))
+        data = orjson.dumps(record.line()) + b"\n"
+        try:
+            self._write(data)
+        except OSError as error:
+            if gap is None:
+                log.warning(
+                    "telemetry: cannot write %s (%s): training goes on; lost lines are"
+                    " counted and recorded in the next line written",
+                    self.path,
+                    error,
+                )
+                gap = LostLines(0, record.step, record.step, str(error))
+            self.lost = LostLines(gap.lines + 1, gap.first_step, record.step, gap.error)
+            return
+        if gap is not None:
+            log.warning("telemetry: writing %s again; %s", self.path, gap.alert().message)
+            self.lost = None
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "ab")  # noqa: SIM115 -- kept open across steps
-        self._handle.write(orjson.dumps(record.line()) + b"\n")
-        self._handle.flush()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self._fd
+        size = os.fstat(fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)  # no partial line left for a reader
+            raise
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        if self.lost is not None:
+            log.warning("telemetry: %s, never written: %s", self.path, self.lost.alert().message)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+@dataclass(frozen=True)
+class LostLines:
+    """Telemetry lines that could not be written: how many, the steps of the
+    first and last, and the error of the first."""
+
+    lines: int
+    first_step: int
+    last_step: int
+    error: str
+
+    def alert(self) -> Alert:
+        return Alert(
+            "TELEMETRY_LINES_LOST",
+            f"{self.lines} telemetry line(s) could not be written, steps {self.first_step}"
+            f" to {self.last_step} ({self.error})",
+        )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ once per training step (and per rank), with these fields in this order::
      "scale": float | null, "found_inf": bool | null, "skipped": bool,
      "held": bool, "warnings": [{"code": str, "message": str}], "bundle": str | null}
 
+The sentinel appends ``activations`` and ``lr`` (which this reader leaves to the
+line) and ``grad_headroom_from``: ``"max_abs"`` when grad.headroom_bits is exact
+(from the measured max abs), ``"tensor_norm"`` when it is a lower bound from the
+largest per-tensor L2 norm, ``"total_norm"`` when a lower bound from the total
+norm clipping computed (|g_i| <= ||g||), null when there is no headroom (or the
+writer is older).
+
 Fields may be added only at the end; a reader ignores keys it does not know, so a
 newer writer's lines still read. A warning code is an upper-case identifier
 (``[A-Z][A-Z0-9_]*``, at most 64 characters); codes this version does not know
@@ -36,6 +43,7 @@ from nanrunbook.dtypes import DTYPES
 
 __all__ = [
     "COMMON_LINE",
+    "HEADROOM_SOURCES",
     "LOSS_CLASSES",
     "TELEMETRY_FORMAT",
     "CommonLine",
@@ -54,6 +62,7 @@ __all__ = [
 
 TELEMETRY_FORMAT = "nanrunbook-telemetry/1"
 LOSS_CLASSES = ("finite", "nan", "posinf", "neginf")
+HEADROOM_SOURCES = ("max_abs", "tensor_norm", "total_norm")  # grad_headroom_from's values
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
@@ -116,6 +125,7 @@ class TelemetryRecord:
     held: bool
     warnings: tuple[TelemetryWarning, ...]
     bundle: str | None
+    grad_headroom_from: str | None = None  # one of HEADROOM_SOURCES
 
     @property
     def overflow_absorbed(self) -> bool:
@@ -206,6 +216,7 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
         "held": record.held,
         "warnings": [{"code": w.code, "message": w.message} for w in record.warnings],
         "bundle": record.bundle,
+        "grad_headroom_from": record.grad_headroom_from,
     }
 
 
@@ -376,6 +387,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
             d["held"],
         )
         bundle, warnings, loss_class = d["bundle"], d["warnings"], d["loss_class"]
+        headroom_from = d.get("grad_headroom_from")
         nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
         dtype, headroom, norm = g["dtype"], g["headroom_bits"], g["norm"]
     except (KeyError, TypeError):
@@ -396,6 +408,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         or warnings != [] or type(run_id) is not str or not 0 < len(run_id) <= 256
         or (dtype is not none and (type(dtype) is not str or not 0 < len(dtype) <= 32))
         or (bundle is not none and type(bundle) is not str)
+        or (headroom_from is not none and headroom_from not in HEADROOM_SOURCES)
     ):  # fmt: skip
         return None
     update = None if u is None else _common_update(u)
@@ -409,6 +422,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         "run_id": run_id, "rank": rank, "world_size": world, "step": step, "time": when,
         "loss": loss, "loss_class": "finite", "grad": grad, "update": update, "scale": scale,
         "found_inf": found_inf, "skipped": skipped, "held": held, "warnings": (), "bundle": bundle,
+        "grad_headroom_from": headroom_from,
     })  # fmt: skip
 
 
@@ -500,6 +514,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # a line eventful enough for the full parse.
     activations: None = None
     lr: float | None = None
+    grad_headroom_from: Literal["max_abs", "tensor_norm", "total_norm"] | None = None
 
 
 COMMON_LINE = msgspec.json.Decoder(CommonLine)
@@ -531,6 +546,11 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
     bundle = document.get("bundle")
     if bundle is not None and type(bundle) is not str:
         raise _invalid("bundle", "expected a path or null")
+    headroom_from = document.get("grad_headroom_from")
+    if headroom_from is not None and headroom_from not in HEADROOM_SOURCES:
+        raise _invalid(
+            "grad_headroom_from", f"expected one of {', '.join(HEADROOM_SOURCES)} or null"
+        )
     return TelemetryRecord(
         run_id,
         rank,
@@ -547,4 +567,5 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
         _flag(document, "held"),
         _warnings(document.get("warnings")),
         bundle,
+        headroom_from,
     )

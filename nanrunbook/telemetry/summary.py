@@ -285,6 +285,8 @@ _OVERFLOW_RANK = -1  # ranks beyond MAX_RANKS share this state
 _RANK, _WORLD, _STEP, _SCALE = (attrgetter(n) for n in ("rank", "world_size", "step", "scale"))
 _RUN_ID, _BUNDLE, _LOSS, _GRAD = (attrgetter(n) for n in ("run_id", "bundle", "loss", "grad"))
 _HEADROOM, _MAX_ABS = attrgetter("headroom_bits"), attrgetter("max_abs")
+# What a headroom that is a lower bound was taken from (grad_headroom_from).
+_BOUNDS = {"tensor_norm": "largest per-tensor L2 norm", "total_norm": "total gradient norm"}
 
 
 def _never_falls(scales: list[float | None], known: bool) -> bool:
@@ -614,6 +616,9 @@ class Summariser:
                     else f"gradient max abs {grad.max_abs:.6g}"
                 )
                 message = f"{what} is {bits:.2f} bits below the {dtype} max"
+                bound = _BOUNDS.get(record.grad_headroom_from or "")
+                if bound is not None:
+                    message += f" (at least: bounded by the {bound})"
                 self._warn(code, step, message, "watch", events)
         self._trend(state, step, bits, dtype, events)
         return bits

@@ -5,6 +5,12 @@ the scaler's found_inf, the previous update's flag, sampled extremes) is
 computed where the tensors live and packed into one small tensor, read with a
 single ``tolist()``: one host synchronisation per step. Exact NaN / +inf / -inf
 counts cost a pass per class, so they are counted only once a cheap flag trips.
+
+Tensors are checked in groups of one device and one dtype; a dtype's values
+from several devices are joined on an accelerator when one holds any (host
+values go to it without waiting, device values never come to the host but in
+the one read). fp8 tensors, which CPU kernels cannot reduce, are widened
+exactly to float32 one tensor at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.torch.convert import safetensors_dtype
+from nanrunbook.capture.torch.finiteness import _as_checkable
 
 __all__ = [
     "Counted",
@@ -28,6 +35,7 @@ __all__ = [
     "counted",
     "exact_counts",
     "gradients",
+    "joined",
     "max_rows",
     "nonfinite_flag",
 ]
@@ -44,12 +52,43 @@ def gradients(params: Iterable[Any]) -> list[Any]:
     return out
 
 
-def _by_dtype(tensors: Iterable[Any]) -> dict[Any, list[Any]]:
-    groups: dict[Any, list[Any]] = {}
+def _by_device_dtype(tensors: Iterable[Any]) -> dict[tuple[Any, Any], list[Any]]:
+    """Non-empty floating tensors by (device, dtype), as man 7 states the checks."""
+    groups: dict[tuple[Any, Any], list[Any]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
-            groups.setdefault(t.dtype, []).append(t)
+            groups.setdefault((t.device, t.dtype), []).append(t)
     return groups
+
+
+def _home(values: Sequence[Any]) -> Any:
+    """Where values of several devices are joined: the first accelerator that
+    holds one (so device values never travel to the host one by one), else
+    the first value's device."""
+    for v in values:
+        if v.device.type != "cpu":
+            return v.device
+    return values[0].device
+
+
+def joined(values: Sequence[Any]) -> list[Any]:
+    """``values`` on their :func:`_home`; a host value goes to an accelerator
+    without waiting (non_blocking: no stream synchronisation)."""
+    home = _home(values)
+    return [
+        v if v.device == home else v.to(home, non_blocking=v.device.type == "cpu") for v in values
+    ]
+
+
+def _by_name(parts: Iterable[tuple[Any, Any]]) -> dict[str, list[Any]]:
+    """(dtype, device value) pairs by the dtype's safetensors name (dtypes
+    without one are left out)."""
+    named: dict[str, list[Any]] = {}
+    for dtype, value in parts:
+        name = safetensors_dtype(dtype)
+        if name is not None:
+            named.setdefault(name, []).append(value)
+    return named
 
 
 def _fused_norms(tensors: list[Any]) -> Any:
@@ -104,9 +143,12 @@ _CHOOSER = NormChooser()
 
 
 def _norms(tensors: list[Any]) -> Any:
-    """Per-tensor L2 norms, a 1-D float32 tensor (so float16 squares do not overflow): the
-    measured faster kernel for CPU float32 tensors (:class:`NormChooser`), one
-    fused ``_foreach_norm`` per device and dtype otherwise."""
+    """Per-tensor L2 norms of one device and dtype, a 1-D float32 tensor (so float16
+    squares do not overflow): the measured faster kernel for CPU float32 tensors
+    (:class:`NormChooser`), one norm per widened tensor for fp8 (no fused kernel
+    takes it), one fused ``_foreach_norm`` otherwise."""
+    if tensors and tensors[0].element_size() == 1:
+        return torch.stack([torch.linalg.vector_norm(_as_checkable(t)) for t in tensors])
     if tensors and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     ):
@@ -125,17 +167,17 @@ class GradNorms:
 
     @classmethod
     def of(cls, grads: Sequence[Any]) -> GradNorms | None:
-        norms, bounds = [], {}
-        for dtype, group in _by_dtype(grads).items():
-            group_norms = _norms(group)
-            norms.append(group_norms)
-            name = safetensors_dtype(dtype)
-            if name is not None:
-                bounds[name] = group_norms.max()
-        if not norms:
+        per_group = [
+            (dtype, _norms(group)) for (_, dtype), group in _by_device_dtype(grads).items()
+        ]
+        if not per_group:
             return None
-        device = norms[0].device
-        return cls(torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms])), bounds)
+        total = torch.linalg.vector_norm(torch.cat(joined([n for _, n in per_group])))
+        bounds = {
+            name: torch.stack(joined([n.max() for n in norms])).amax()
+            for name, norms in _by_name(per_group).items()
+        }
+        return cls(total, bounds)
 
 
 def nonfinite_flag(tensors: Sequence[Any]) -> Any:
@@ -159,16 +201,15 @@ class Counted:
 
 
 def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
-    """Device rows, one per dtype group: NaN, +inf, -inf counts, finite max abs,
-    and whether any element is finite (one pass per class: the slow path, taken
-    once a flag tripped or on a sampled step). Read them with :func:`counted`."""
-    rows, names = [], []
-    for dtype, group in _by_dtype(tensors).items():
-        name = safetensors_dtype(dtype)
-        if name is None:
-            continue
+    """Device rows, one per dtype (its devices' groups joined): NaN, +inf, -inf
+    counts, finite max abs, and whether any element is finite (one pass per
+    class: the slow path, taken once a flag tripped or on a sampled step). Read
+    them with :func:`counted`."""
+    per_group = []
+    for (_, dtype), group in _by_device_dtype(tensors).items():
         per = []
-        for t in group:
+        for tensor in group:
+            t = _as_checkable(tensor)
             finite = torch.isfinite(t)
             zero = torch.zeros((), dtype=t.dtype, device=t.device)
             per.append(
@@ -182,27 +223,32 @@ def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
                     ]
                 )
             )
-        stacked = torch.stack([p.to(per[0].device) for p in per])
+        per_group.append((dtype, torch.stack(per)))
+    rows, names = [], []
+    for name, parts in _by_name(per_group).items():
+        stacked = torch.cat(joined(parts))
         rows.append(torch.cat([stacked[:, :3].sum(0), stacked[:, 3:].amax(0)]))
         names.append(name)
     if not rows:
         return [], torch.zeros((0, 5), dtype=torch.float64)
-    return names, torch.stack([r.to(rows[0].device) for r in rows])
+    return names, torch.stack(rows)
+
+
+def _maxima(group: list[Any]) -> Any:
+    """Each tensor's largest magnitude, a 1-D float32 tensor on the group's device."""
+    return torch.stack([_as_checkable(t).abs().amax().float() for t in group])
 
 
 def max_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
-    """Per dtype group, the largest magnitude (one pass per tensor, on the
-    device): the finite max abs when the tensors are finite, which a sampled
-    step learns from its flag in the same read."""
-    names, maxima = [], []
-    for dtype, group in _by_dtype(tensors).items():
-        name = safetensors_dtype(dtype)
-        if name is not None:
-            names.append(name)
-            maxima.append(torch.stack([t.abs().amax().float() for t in group]).amax())
-    if not names:
+    """Per dtype (its devices' groups joined), the largest magnitude (one pass
+    per tensor, on the device): the finite max abs when the tensors are finite,
+    which a sampled step learns from its flag in the same read."""
+    per_group = [(dtype, _maxima(group)) for (_, dtype), group in _by_device_dtype(tensors).items()]
+    named = _by_name(per_group)
+    if not named:
         return [], torch.zeros(0)
-    return names, torch.stack([m.to(maxima[0].device) for m in maxima])
+    maxima = [torch.cat(joined(parts)).amax() for parts in named.values()]
+    return list(named), torch.stack(joined(maxima))
 
 
 def counted(names: Sequence[str], values: Sequence[float]) -> list[Counted]:
@@ -220,28 +266,31 @@ def exact_counts(tensors: Sequence[Any]) -> list[Counted]:
     """:func:`count_rows`, read now. One fused norm per tensor first finds the
     tensors that hold a NaN or infinity: only those are counted class by class;
     the others need only their max abs (two host reads in all)."""
-    floating = [t for t in tensors if t.is_floating_point() and t.numel()]
-    if not floating:
+    groups = list(_by_device_dtype(tensors).values())
+    if not groups:
         return []
-    norms = _norms(floating).tolist()
-    suspect = [t for t, n in zip(floating, norms, strict=True) if not math.isfinite(n)]
-    clean = [t for t, n in zip(floating, norms, strict=True) if math.isfinite(n)]
+    probe = Readout()
+    for index, group in enumerate(groups):
+        probe.add(str(index), _norms(group))
+    norms = probe.read()
+    suspect: list[Any] = []
+    clean: list[Any] = []
+    for index, group in enumerate(groups):
+        for t, n in zip(group, norms[str(index)], strict=True):
+            (clean if math.isfinite(n) else suspect).append(t)
     readout = Readout()
     names, rows = count_rows(suspect)
     if names:
         readout.add("rows", rows)
-    for dtype, group in _by_dtype(clean).items():
-        readout.add(
-            f"max/{safetensors_dtype(dtype)}", torch.stack([t.abs().amax().float() for t in group])
-        )
+    clean_names, clean_maxima = max_rows(clean)
+    if clean_names:
+        readout.add("max", clean_maxima)
     values = readout.read()
     found = {c.dtype: c for c in counted(names, values.get("rows", []))}
-    for key, maxima in values.items():
-        if key.startswith("max/"):
-            dtype, top = key[4:], max(maxima)
-            before = found.get(dtype, Counted(dtype, 0, 0, 0, None))
-            best = top if before.max_abs is None else max(top, before.max_abs)
-            found[dtype] = Counted(dtype, before.nan, before.posinf, before.neginf, best)
+    for dtype, top in zip(clean_names, values.get("max", []), strict=True):
+        before = found.get(dtype, Counted(dtype, 0, 0, 0, None))
+        best = top if before.max_abs is None else max(top, before.max_abs)
+        found[dtype] = Counted(dtype, before.nan, before.posinf, before.neginf, best)
     return list(found.values())
 
 
@@ -263,6 +312,5 @@ class Readout:
     def read(self) -> dict[str, list[float]]:
         if not self._parts:
             return {}
-        device = self._parts[0].device
-        values = torch.cat([p.to(device) for p in self._parts]).tolist()  # the one sync
+        values = torch.cat(joined(self._parts)).tolist()  # the one sync
         return {name: values[a:b] for name, (a, b) in self._slots.items()}

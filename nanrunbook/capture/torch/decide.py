@@ -28,7 +28,8 @@ from nanrunbook.capture.telemetry import (
     headroom_bits,
     magnitude_alerts,
 )
-from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients
+from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients, joined
+from nanrunbook.capture.torch.convert import safetensors_dtype
 from nanrunbook.capture.torch.evidence import StepObjects, capture_step
 from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
 from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
@@ -136,7 +137,7 @@ class Decisions:
     def _found_inf(self) -> Any:
         per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
         flags = list(per_device.values())
-        return torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
+        return torch.stack(joined(flags)).sum() if flags else None
 
     def _read_step(
         self, step: StepRecord, values: dict[str, list[float]], grads: list[Any], count: bool
@@ -160,6 +161,13 @@ class Decisions:
         findings.bounds = {
             k.split("/", 1)[1]: v[0] for k, v in values.items() if k.startswith("bound/")
         }
+        findings.bounds_from = "tensor_norm" if findings.bounds else None
+        clip = step.clip
+        if "norm" in values and clip is not None and clip.bounds_every_gradient(self._params):
+            norm = values["norm"][0]
+            if math.isfinite(norm):  # the norm clipping computed bounds every dtype's max abs
+                findings.bounds = dict.fromkeys(_dtype_names(grads), norm)
+                findings.bounds_from = "total_norm"
         if not count:
             pass
         elif findings.tripped or findings.found_inf or _near_max(findings):
@@ -389,6 +397,7 @@ class Decisions:
         self._logged_codes = {alert.code for alert in warnings}
         if self._telemetry is None:
             return
+        grad = step.grads.telemetry(self._grad_dtype)
         record = StepTelemetry(
             run_id=self.facts.run_id,
             rank=self.ranks.rank,
@@ -397,7 +406,7 @@ class Decisions:
             time=step.time,
             loss=step.loss,
             loss_class=step.loss_class,  # type: ignore[arg-type]
-            grad=step.grads.telemetry(self._grad_dtype),
+            grad=grad,
             update=step.update,
             scale=step.scale,
             found_inf=step.grads.found_inf,
@@ -407,8 +416,15 @@ class Decisions:
             bundle=str(bundle) if bundle is not None else None,
             activations=step.activations,
             lr=step.lr,
+            grad_headroom_from=step.grads.headroom_from(grad),
         )
         self._telemetry.append(record)
+
+
+def _dtype_names(grads: list[Any]) -> list[str]:
+    """The safetensors names of the floating gradients' dtypes, once each."""
+    names = (safetensors_dtype(g.dtype) for g in grads if g.is_floating_point())
+    return list(dict.fromkeys(name for name in names if name is not None))
 
 
 def _near_max(findings: GradFindings) -> bool:

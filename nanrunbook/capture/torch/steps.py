@@ -14,6 +14,7 @@ from nanrunbook.capture.telemetry import (
     Activations,
     Alert,
     GradTelemetry,
+    HeadroomSource,
     UpdateTelemetry,
     headroom_bits,
     loss_class,
@@ -24,6 +25,7 @@ from nanrunbook.capture.torch.checks import (
     GradNorms,
     Readout,
     exact_counts,
+    joined,
     max_rows,
     nonfinite_flag,
 )
@@ -54,6 +56,13 @@ class ClipCall:
             )
             self.applied = True
 
+    def bounds_every_gradient(self, params: list[Any]) -> bool:
+        """Whether the total norm bounds every element of the step's gradients
+        (|g_i| <= ||g||_p for any p > 0): it does when it was taken over all
+        of ``params`` that have one."""
+        clipped = {id(p) for p in self.params}
+        return self.norm_type > 0 and all(id(p) in clipped for p in params if p.grad is not None)
+
     def recipe(self) -> Clipping:
         return Clipping(
             self.max_norm, self.norm_type, tuple(id(p) for p in self.params), self.foreach
@@ -66,7 +75,8 @@ class GradFindings:
 
     counts: list[Counted] = field(default_factory=list)  # exact, when counted
     norm: float | None = None
-    bounds: dict[str, float] = field(default_factory=dict)
+    bounds: dict[str, float] = field(default_factory=dict)  # per dtype, over max abs
+    bounds_from: HeadroomSource | None = None  # what bounds came from
     found_inf: bool | None = None
     tripped: bool = False  # the cheap check says non-finite
     local_finite: bool | None = None  # this rank's own, before the all-reduce (DDP)
@@ -74,6 +84,12 @@ class GradFindings:
     @property
     def nonfinite(self) -> int:
         return sum(c.nan + c.posinf + c.neginf for c in self.counts)
+
+    def headroom_from(self, grad: GradTelemetry) -> HeadroomSource | None:
+        """What :meth:`telemetry`'s headroom was taken from (None: no headroom)."""
+        if grad.headroom_bits is None:
+            return None
+        return "max_abs" if self.counts else self.bounds_from
 
     def telemetry(self, fallback_dtype: str | None) -> GradTelemetry:
         """Exact magnitudes when counted; otherwise the per-tensor norms, which
@@ -147,9 +163,7 @@ class StepRecord:
             readout.add("grad_max", maxima)
         sampler = self.sampler
         if sampler is not None and sampler.values:
-            readout.add(
-                "act", torch.stack([v.to(sampler.values[0].device) for v in sampler.values])
-            )
+            readout.add("act", torch.stack(joined(sampler.values)))
         return names
 
     def read_activations(self, values: dict[str, list[float]]) -> None:
