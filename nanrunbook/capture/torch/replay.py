@@ -239,8 +239,9 @@ def _micro_batch(copies: _Copies, recipe: StepRecipe, index: int, forward: _Forw
         forward.random_state = random_state_binding(recipe.seed)
     batch = clone_batch(micro.batch)
     name = _label("batch", index, count)
+    # Bytes now: compute_loss may rewrite its batch in place (x.sub_, masked_fill_).
     forward.inputs += [
-        (f"{name}/{n}" if n else name, t, f"batch[{n!r}]" if n else "batch")
+        (f"{name}/{n}" if n else name, tensor_to_raw(t), f"batch[{n!r}]" if n else "batch")
         for n, t in flatten(batch, "")
     ]
     capture = ForwardCapture(copies.model, recipe.choose, f"mb{index}/" if count > 1 else "")
@@ -543,7 +544,8 @@ def replay_step(
     real model, optimizer, scaler, gradients and global RNG state are left
     bit-identical. The copy's gradients start from None.
 
-    Captured: input (the batch tensors), forward (outputs of ``modules`` --
+    Captured: input (the batch tensors as given, taken before ``compute_loss``
+    runs, which may change its clone in place), forward (outputs of ``modules`` --
     default: every leaf module -- named ``act/<module path>``, and named probes,
     ``probe/<name>``, in execution order), loss, backward (``grad/<param>`` of
     the optimizer's parameters, after ``scaler.unscale_``, or before it when

@@ -46,6 +46,7 @@ from nanrunbook.capture.telemetry import (
     Thresholds,
 )
 from nanrunbook.capture.torch.binding import add_weight, heaviest
+from nanrunbook.capture.torch.copies import clone_batch
 from nanrunbook.capture.torch.decide import STOP, Decisions
 from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
@@ -235,11 +236,14 @@ class Sentinel(Decisions):
 
     def forward(self, batch: Any) -> Any:
         """``compute_loss(model, batch)``, with the RNG state and autocast regions
-        taken before it (a replay repeats them); call it once per micro-batch."""
+        taken before it (a replay repeats them) and a clone of the batch as given
+        (``compute_loss`` may change it in place); call it once per micro-batch."""
         if self.closed:
             raise RuntimeError("the sentinel is closed")
         step = self._step or self._begin()
-        micro = MicroBatch(batch, RngState.now(), Autocast.now())
+        # A clone: compute_loss may rewrite its batch in place, and the replay and
+        # the input stage need the batch as given.
+        micro = MicroBatch(clone_batch(batch), RngState.now(), Autocast.now())
         with step.sampler.hooked() if step.sampler is not None else nullcontext():
             loss = self.compute_loss(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -376,7 +376,10 @@ def shrink_step(
 ) -> Shrink:
     """One call: :func:`shrink` of the step the loop just ran.
 
-    ``compute_loss(model, batch)`` is the loop's forward, autocast included;
+    ``compute_loss(model, batch)`` is the loop's forward, autocast included
+    (every replay runs it on a clone of ``batch``, which is the batch as given:
+    a loop whose compute_loss changes its batch in place passes a clone taken
+    before its own forward);
     ``scaler``/``loss_scale`` scale the loss before backward as the loop did;
     ``rng_state`` is ``torch.get_rng_state()`` taken before the forward (by
     default the current state). ``options`` are :func:`shrink`'s (stage,
