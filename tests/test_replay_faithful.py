@@ -172,3 +172,41 @@ def test_shrink_and_its_fixture_take_the_batch_as_given(shape: str, tmp_path: Pa
     shrunk = [t.index_select(0, rows) for t in _flat(make(5))]
     _assert_input_as_given(tmp_path / "fx" / "bundle", shrunk)  # the fixture's bundle
     assert all(torch.equal(a, b) for a, b in zip(_flat(batch), _flat(make(5)), strict=True))
+
+
+# ------------------------------------------------- arguments the caller got wrong
+
+
+def _sqrt_step() -> tuple[nn.Module, Any, torch.Tensor, Callable[..., Any]]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        out = m(batch)
+        return (out - out.detach()).pow(2).sum(1).sqrt().mean()  # sqrt(0): NaN gradient
+
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), x, loss
+
+
+def test_shrink_step_takes_seed_as_replay_step_does() -> None:
+    from nanrunbook.capture.torch.shrink import ShrinkError
+
+    model, optimizer, batch, loss = _sqrt_step()
+    found = shrink_step(model, optimizer, batch, loss, seed=7)
+    assert found.operation.stage == "backward"
+    with pytest.raises(ShrinkError, match="give seed or rng_state, not both"):
+        shrink_step(model, optimizer, batch, loss, seed=7, rng_state=torch.get_rng_state())
+    with pytest.raises(TypeError, match=r"shrink_step\(\) got an unexpected keyword argument"):
+        shrink_step(model, optimizer, batch, loss, seeds=7)  # type: ignore[call-arg]
+
+
+def test_replay_step_into_a_missing_directory_names_the_target(tmp_path: Path) -> None:
+    model, optimizer, batch, loss = _sqrt_step()
+    target = tmp_path / "no-such-dir" / "bundle"
+    with pytest.raises(FileNotFoundError) as error:
+        replay_step(model, optimizer, batch, loss, target=target, **IDENTITY)
+    assert str(error.value) == (
+        f"cannot write the bundle to {target}: its directory {target.parent} does not exist"
+    )
+    assert not (tmp_path / "no-such-dir").exists()

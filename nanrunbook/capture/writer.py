@@ -358,8 +358,9 @@ class BundleWriter:
         at ``target`` and an existing bundle there as it was.
 
         Raises EvidenceRejected (nothing is written) when the check would reject
-        the bundle, and FileExistsError when ``target`` exists and ``overwrite``
-        is false. ``overwrite`` replaces only a directory holding a manifest.json
+        the bundle, FileNotFoundError (naming ``target``) when the directory
+        ``target`` would be in does not exist, and FileExistsError when
+        ``target`` exists and ``overwrite`` is false. ``overwrite`` replaces only a directory holding a manifest.json
         (a bundle), in one atomic swap where the system supports it.
         """
         self.write_checked(target, overwrite=overwrite, caps=caps)
@@ -375,6 +376,10 @@ class BundleWriter:
         from nanrunbook.check import check_bundle
 
         target = Path(target)
+        if not target.parent.is_dir():  # else the error names the hidden temporary
+            raise FileNotFoundError(
+                f"cannot write the bundle to {target}: its directory {target.parent} does not exist"
+            )
         if overwrite and (target.exists() or target.is_symlink()):
             if target.is_symlink() or not target.is_dir():
                 raise FileExistsError(f"{target} exists and is not a bundle directory")

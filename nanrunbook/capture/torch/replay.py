@@ -485,17 +485,19 @@ def bind(
 _REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
 
 
-def _micro_batch_for(seed: int | None, rng_state: Any, batch: Any) -> MicroBatch:
+def rng_state_for(seed: int | None, rng_state: Any) -> RngState:
+    """The RNG state a replay starts from: seeded, the given
+    ``torch.get_rng_state()``, or (neither) the current state. ValueError for both."""
     if seed is not None and rng_state is not None:
         raise ValueError("give seed or rng_state, not both")
     if seed is None and rng_state is None:
-        return MicroBatch(batch, RngState.now())  # a fork of the current state
+        return RngState.now()  # a fork of the current state
     with torch.random.fork_rng(devices=cuda_devices()):
         if seed is not None:
             torch.manual_seed(seed)
         else:
             torch.set_rng_state(rng_state)
-        return MicroBatch(batch, RngState.now())
+        return RngState.now()
 
 
 def _refuse_what_cannot_be_true(binding: Mapping[str, Any], gradients: str, scaler: Any) -> bool:
@@ -573,7 +575,7 @@ def replay_step(
     owner.update(owners or {})
     recipe = StepRecipe(
         compute_loss=compute_loss,
-        micro_batches=(_micro_batch_for(seed, rng_state, batch),),
+        micro_batches=(MicroBatch(batch, rng_state_for(seed, rng_state)),),
         scaling=Scaling("dynamic", scaler=scaler) if dynamic else Scaling(),
         gradients="scaled" if gradients == "scaled" else "unscaled",
         choose=modules or leaf,
