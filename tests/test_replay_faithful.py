@@ -7,10 +7,12 @@ Real CPU runs whose NaN comes from real arithmetic."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -210,3 +212,207 @@ def test_replay_step_into_a_missing_directory_names_the_target(tmp_path: Path) -
         f"cannot write the bundle to {target}: its directory {target.parent} does not exist"
     )
     assert not (tmp_path / "no-such-dir").exists()
+
+
+# ------------------------------------------------- a torch.compile'd model
+
+
+class LogNet(nn.Module):
+    """log of a ReLU output: -inf where the unit is off, a real loss NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.act(self.lin(x)))
+
+
+class CompilerOnlyOverflow(LogNet):
+    """Finite eagerly; the compiled graph overflows (as a fused kernel that
+    accumulates in a narrower type would): the replay must say it differs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x)) + 1.0
+        if torch.compiler.is_compiling():
+            h = h * 3.0e38
+        return h * h
+
+
+def mean_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).mean()
+
+
+def _compiled_hold(model: nn.Module, run: str, tmp_path: Path) -> SentinelHold:
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sentinel = Sentinel(compiled, optimizer, mean_loss, **facts(run, tmp_path))
+    with pytest.raises(SentinelHold) as held:
+        optimizer.zero_grad()
+        sentinel.forward(_x(9)).backward()
+        optimizer.step()
+    return held.value
+
+
+def test_a_compiled_model_is_replayed_eagerly_and_its_bundle_written(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    hold = _compiled_hold(LogNet(), "compiled-log", tmp_path)
+    assert hold.bundle is not None, hold.capture_error
+    assert hold.stage == "loss" and hold.decision == "HOLD"
+    assert "replayed eagerly" in hold.reason and "the live step ran compiled" in hold.reason
+    assert "differs" not in hold.reason  # the eager replay saw what the live step saw
+    for name in ("forward", "loss"):
+        assert (
+            "replayed eagerly on a copy of the compiled model's original module"
+            in (stage(hold.bundle, name)["tensor_set"]["probe_source"])
+        )
+    assert "eagerly" not in stage(hold.bundle, "input")["tensor_set"]["probe_source"]
+    names = [t["name"] for t in stage(hold.bundle, "forward")["tensors"]]
+    assert names == ["act/lin", "act/act"]  # the original module's paths, no _orig_mod
+
+
+def test_a_replay_that_differs_from_the_compiled_step_says_so(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    hold = _compiled_hold(CompilerOnlyOverflow(), "compiled-overflow", tmp_path)
+    assert hold.bundle is not None, hold.capture_error
+    difference = "replay differs from the live step: the live step's loss was non-finite,"
+    assert f"{difference} the replay's is finite" in hold.reason
+    assert difference in stage(hold.bundle, "loss")["tensor_set"]["probe_source"]
+    assert check_bundle(hold.bundle).decision.earliest_nonfinite_stage is None
+
+
+def test_replay_step_replays_a_compiled_model_eagerly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = LogNet()
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    replay_step(compiled, optimizer, _x(9), mean_loss, target=tmp_path / "b", **IDENTITY)
+    assert "replayed eagerly" in stage(tmp_path / "b", "forward")["tensor_set"]["probe_source"]
+    assert check_bundle(tmp_path / "b").decision.earliest_nonfinite_stage == "loss"
+
+
+# ------------------------------------------------- random states and device facts
+
+
+class NoisyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.lin(x))  # NaN where an output is negative
+
+
+def _host_streams(generator: torch.Generator) -> tuple[Any, ...]:
+    numpy_state = np.random.get_state()
+    state = generator.get_state().numpy().tobytes()
+    return (numpy_state[1].tobytes(), numpy_state[2], random.getstate(), state)
+
+
+def test_numpy_python_and_a_loop_generator_are_restored_for_the_replay(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(11)
+    np.random.seed(5)
+    random.seed(6)
+
+    def noisy_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        jitter = torch.from_numpy(np.random.standard_normal(x.shape)).float() * random.random()
+        return model(x + jitter + torch.randn(x.shape, generator=generator)).mean()
+
+    torch.manual_seed(0)
+    model = NoisyNet()
+    live: list[torch.Tensor] = []
+    model.lin.register_forward_hook(lambda m, i, out: live.append(out.detach().clone()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = facts("host-random", tmp_path, generators=[generator])
+    sentinel = Sentinel(model, optimizer, noisy_loss, **run)
+    with pytest.raises(SentinelHold) as held:
+        optimizer.zero_grad()
+        sentinel.forward(_x(9)).backward()
+        after_forward = _host_streams(generator)
+        optimizer.step()
+    assert _host_streams(generator) == after_forward  # the replay drew from copies of them
+    bundle = held.value.bundle
+    assert bundle is not None, held.value.capture_error
+    stored = safetensors.torch.load_file(bundle / "tensors.safetensors")
+    assert torch.equal(stored["act/lin"], live[0])  # the same noise, bit for bit
+    binding = manifest(bundle)["binding"]
+    assert {k: binding["random_state"][k] for k in ("numpy", "python_random", "generators")} == {
+        "numpy": "restored",
+        "python_random": "restored",
+        "generators": 1,
+    }
+    assert binding["environment"]["replay"] == "exact"
+    assert "may not be exact" not in held.value.reason
+
+
+def test_a_replay_that_draws_from_an_unknown_numpy_state_says_it_may_not_be_exact(
+    tmp_path: Path,
+) -> None:
+    def numpy_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x * float(np.random.uniform(0.9, 1.1))).mean()
+
+    torch.manual_seed(0)
+    model = NoisyNet()
+    np.random.seed(3)
+    before = np.random.get_state()[1].tobytes()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    replay_step(model, optimizer, _x(9), numpy_loss, target=tmp_path / "b", **IDENTITY)
+    assert np.random.get_state()[1].tobytes() == before  # the caller's stream is untouched
+    environment = manifest(tmp_path / "b")["binding"]["environment"]
+    assert environment["replay"] == "inexact"
+    assert environment["replay_inexact"] == (
+        "the replay drew from numpy's or Python's random, whose state at the live step is not known"
+    )
+    assert manifest(tmp_path / "b")["binding"]["random_state"]["numpy"] == "current-at-replay"
+
+
+def test_the_environment_records_determinism_flags_and_that_the_run_was_on_cpu(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, batch, loss = _sqrt_step()
+    replay_step(model, optimizer, batch, loss, target=tmp_path / "b", **IDENTITY)
+    environment = manifest(tmp_path / "b")["binding"]["environment"]
+    assert environment["device"] == "cpu" and environment["replay"] == "exact"
+    assert not {"gpu_name", "gpu_uuid", "compute_capability", "driver", "nccl"} & set(environment)
+    expected = "true" if torch.are_deterministic_algorithms_enabled() else "false"
+    assert environment["deterministic_algorithms"] == expected
+    assert environment["matmul_allow_tf32"] in ("true", "false")
+    assert environment["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+
+
+def test_a_cuda_device_records_what_torch_exposes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from nanrunbook.capture.torch._faithfulness import device_facts, inexact_kernels
+
+    props = SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", uuid="5e1d1b8c-0000-4000-8000-00000000abcd", major=9, minor=0
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12040, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_facts(torch.device("cuda", 3)) == {
+        "device": "cuda:3",
+        "device_index": 3,
+        "local_rank": 3,
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "gpu_uuid": "GPU-5e1d1b8c-0000-4000-8000-00000000abcd",
+        "compute_capability": "9.0",
+        "driver": "12.4",
+        "cudnn": "90100",
+        "nccl": "2.21.5",
+    }
+    assert device_facts("cuda")["device"] == "cuda:0"  # the current device
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    assert inexact_kernels("cuda:0") == [
+        "non-deterministic CUDA kernels allowed (deterministic algorithms off)"
+    ]
+    assert inexact_kernels("cpu") == []
+    monkeypatch.delenv("LOCAL_RANK")
+    assert device_facts("cpu") == {"device": "cpu"}

@@ -296,6 +296,24 @@ class BundleWriter:
         record["reason"] = reason
         self._stages.append(record)
 
+    def annotate(self, stage: str, note: str) -> None:
+        """Add ``note`` to a recorded stage's probe_source: how its tensors were
+        captured, when that differs from how the live step made them."""
+        for record in self._stages:
+            if record["stage"] == stage:
+                tensor_set = record["tensor_set"]
+                tensor_set["probe_source"] = f"{tensor_set['probe_source']}; {note}"
+                return
+        raise ValueError(f"stage {stage!r} is not recorded")
+
+    def nonfinite(self, stage: str) -> bool | None:
+        """Whether an OBSERVED stage holds a non-finite element (None: not observed)."""
+        for record in self._stages:
+            if record["stage"] == stage and record["status"] == "OBSERVED":
+                counts = record["counts"]
+                return bool(counts["nan"] or counts["posinf"] or counts["neginf"])
+        return None
+
     def not_run_rest(self, *, owner: str, reason: str) -> None:
         """Mark every stage not recorded yet as NOT_RUN, in contract order."""
         for stage in STAGE_ORDER:

@@ -46,7 +46,7 @@ from nanrunbook.capture.telemetry import (
     Thresholds,
 )
 from nanrunbook.capture.torch.binding import add_weight, heaviest
-from nanrunbook.capture.torch.copies import clone_batch
+from nanrunbook.capture.torch.copies import clone_batch, eager_module
 from nanrunbook.capture.torch.decide import STOP, Decisions
 from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
@@ -109,6 +109,9 @@ class Sentinel(Decisions):
     is rolled back (memory: one more copy of the parameters and of the
     optimizer state). ``telemetry``: the JSON-lines file (default
     ``<incident_dir>/<run_id>/telemetry.jsonl``; False for none).
+    ``generators``: the loop's own ``torch.Generator`` objects that the forward
+    draws from; their states, numpy's and Python's random are taken before
+    each forward and restored for the replay (the run's are left as they were).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Sentinel(Decisions):
         incident_owner: str = "ml-oncall",
         modules: Callable[[str, Any], bool] | None = None,
         process_group: Any = None,
+        generators: Iterable[Any] = (),
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
@@ -153,16 +157,17 @@ class Sentinel(Decisions):
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
+        self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
+        replayed, compiled = eager_module(model)
         self.objects = StepObjects(
-            model=getattr(model, "module", model)
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            else model,
+            model=replayed,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=self.scaler,
             loss_scale=self.loss_scale,
             compute_loss=compute_loss,
             choose=modules or leaf,
+            compiled=compiled,
         )
         self._local = self._local_gradients(model, process_group)
         self._setup_state(snapshot, telemetry)
@@ -243,7 +248,8 @@ class Sentinel(Decisions):
         step = self._step or self._begin()
         # A clone: compute_loss may rewrite its batch in place, and the replay and
         # the input stage need the batch as given.
-        micro = MicroBatch(clone_batch(batch), RngState.now(), Autocast.now())
+        rng = RngState.now(self.generators, taken_live=True)
+        micro = MicroBatch(clone_batch(batch), rng, Autocast.now())
         with step.sampler.hooked() if step.sampler is not None else nullcontext():
             loss = self.compute_loss(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
