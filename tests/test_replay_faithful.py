@@ -416,3 +416,23 @@ def test_a_cuda_device_records_what_torch_exposes(monkeypatch: pytest.MonkeyPatc
     assert inexact_kernels("cpu") == []
     monkeypatch.delenv("LOCAL_RANK")
     assert device_facts("cpu") == {"device": "cpu"}
+
+
+def test_a_sentinel_without_host_random_says_its_replay_may_not_be_exact(tmp_path: Path) -> None:
+    def numpy_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x * float(np.random.uniform(0.9, 1.1))).mean()
+
+    torch.manual_seed(0)
+    model = NoisyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = facts("no-host-random", tmp_path, host_random=False)
+    sentinel = Sentinel(model, optimizer, numpy_loss, **run)
+    with pytest.raises(SentinelHold) as held:
+        optimizer.zero_grad()
+        sentinel.forward(_x(9)).backward()
+        optimizer.step()
+    bundle = held.value.bundle
+    assert bundle is not None, held.value.capture_error
+    assert manifest(bundle)["binding"]["random_state"]["numpy"] == "current-at-replay"
+    assert manifest(bundle)["binding"]["environment"]["replay"] == "inexact"
+    assert "the replay may not be exact: the replay drew from numpy's" in held.value.reason

@@ -31,23 +31,28 @@ class HostRandom:
     states; ``taken_live``: taken before the live forward (else at the replay,
     not known to be the live step's)."""
 
-    numpy: Any
+    numpy: Any  # None: not taken (numpy's get_state costs about 1 ms)
     python: Any
     generators: tuple[tuple[Any, Any], ...] = ()  # (generator, its state)
     taken_live: bool = False
 
     @classmethod
-    def now(cls, generators: Sequence[Any] = (), *, taken_live: bool = False) -> HostRandom:
+    def now(
+        cls, generators: Sequence[Any] = (), *, taken_live: bool = False, streams: bool = True
+    ) -> HostRandom:
+        """``streams`` false: the generators only, not numpy's and Python's."""
         return cls(
-            np.random.get_state(),
-            random.getstate(),
+            np.random.get_state() if streams else None,
+            random.getstate() if streams else None,
             tuple((g, g.get_state()) for g in generators),
             taken_live,
         )
 
     def restore(self) -> None:
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+        if self.python is not None:
+            random.setstate(self.python)
         for generator, state in self.generators:
             generator.set_state(state)
 
@@ -62,7 +67,7 @@ class HostRandom:
 
     def fields(self) -> dict[str, Any]:
         """The random_state binding's details for these states."""
-        source = "restored" if self.taken_live else "current-at-replay"
+        source = "restored" if self.taken_live and self.numpy is not None else "current-at-replay"
         return {"numpy": source, "python_random": source, "generators": len(self.generators)}
 
 

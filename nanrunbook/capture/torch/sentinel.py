@@ -112,6 +112,9 @@ class Sentinel(Decisions):
     ``generators``: the loop's own ``torch.Generator`` objects that the forward
     draws from; their states, numpy's and Python's random are taken before
     each forward and restored for the replay (the run's are left as they were).
+    ``host_random`` false skips numpy's and Python's (numpy's ``get_state``
+    costs about 1 ms a forward): a replay that draws from them is then marked
+    inexact.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class Sentinel(Decisions):
         modules: Callable[[str, Any], bool] | None = None,
         process_group: Any = None,
         generators: Iterable[Any] = (),
+        host_random: bool = True,
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
@@ -158,6 +162,7 @@ class Sentinel(Decisions):
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
         self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
+        self.host_random = host_random
         replayed, compiled = eager_module(model)
         self.objects = StepObjects(
             model=replayed,
@@ -248,7 +253,7 @@ class Sentinel(Decisions):
         step = self._step or self._begin()
         # A clone: compute_loss may rewrite its batch in place, and the replay and
         # the input stage need the batch as given.
-        rng = RngState.now(self.generators, taken_live=True)
+        rng = RngState.now(self.generators, taken_live=True, host=self.host_random)
         micro = MicroBatch(clone_batch(batch), rng, Autocast.now())
         with step.sampler.hooked() if step.sampler is not None else nullcontext():
             loss = self.compute_loss(self.model, batch)
