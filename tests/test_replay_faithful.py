@@ -436,3 +436,23 @@ def test_a_sentinel_without_host_random_says_its_replay_may_not_be_exact(tmp_pat
     assert manifest(bundle)["binding"]["random_state"]["numpy"] == "current-at-replay"
     assert manifest(bundle)["binding"]["environment"]["replay"] == "inexact"
     assert "the replay may not be exact: the replay drew from numpy's" in held.value.reason
+
+
+def test_a_batch_holding_a_value_that_cannot_be_copied_still_trains(tmp_path: Path) -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    lock = threading.Lock()  # deepcopy refuses it
+
+    def loss(m: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        assert batch["lock"] is lock
+        return m(batch["x"]).pow(2).mean()
+
+    sentinel = Sentinel(model, optimizer, loss, **facts("uncopyable", tmp_path))
+    for _ in range(2):
+        optimizer.zero_grad()
+        sentinel.forward({"x": _x(1), "lock": lock}).backward()
+        optimizer.step()
+    sentinel.close()

@@ -28,7 +28,8 @@ def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 def clone_batch(value: Any) -> Any:
-    """A copy of a nested batch: tensors detached and cloned, containers rebuilt."""
+    """A copy of a nested batch: tensors detached and cloned, containers rebuilt,
+    other values deep-copied (or shared, when they cannot be copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
@@ -41,7 +42,10 @@ def clone_batch(value: Any) -> Any:
         return type(value)(*(clone_batch(v) for v in value))
     if isinstance(value, list | tuple):
         return type(value)(clone_batch(v) for v in value)
-    return copy.deepcopy(value)
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # a handle or lock in the batch: shared, never a training step's crash
+        return value
 
 
 def copy_optimizer(
