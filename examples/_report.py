@@ -7,6 +7,21 @@ from pathlib import Path
 import nanrunbook
 
 
+USAGE_ERROR = 2  # the exit code of a bad --out, as argparse's own usage errors
+
+
+def refused_out(out: Path | None, *, new: bool = True) -> str | None:
+    """Why ``--out`` cannot be written (one line), or None: its directory must
+    exist, and a bundle's path (``new``) must not."""
+    if out is None:
+        return None
+    if not out.parent.is_dir():
+        return f"--out {out}: the directory {out.parent} does not exist"
+    if new and (out.exists() or out.is_symlink()):
+        return f"--out {out}: exists; give a new path for the bundle"
+    return None
+
+
 def report(bundle: Path) -> int:
     """Check ``bundle``, print the verdict as key=value lines, return the exit code."""
     try:

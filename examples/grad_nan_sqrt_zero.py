@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _report import report  # examples/_report.py: prints the check's verdict
+from _report import USAGE_ERROR, refused_out, report  # examples/_report.py: the verdict
 
 from nanrunbook.capture.torch import replay_step
 
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the bundle (a new directory)")
     args = parser.parse_args(argv)
+    refused = refused_out(args.out)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return USAGE_ERROR
     out: Path = args.out or Path(tempfile.mkdtemp(prefix="nanrunbook-")) / "bundle"
 
     torch.manual_seed(0)

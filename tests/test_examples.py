@@ -182,3 +182,18 @@ def test_fp16_example_text_report_names_the_input_beyond_f16(ran: Ran) -> None:
         r"Warnings upstream: BEYOND_COMPUTE_DTYPE at batch/x \(input\)\.",
         flat,
     ), flat
+
+
+@pytest.mark.parametrize("name", ["nan_loss_log_zero.py", "fp16_overflow_gradscaler.py"])
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "bundle"
+    done = run(str(EXAMPLES / name), "--out", str(missing))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"--out {missing}: the directory {missing.parent} does not exist\n"
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    done = run(str(EXAMPLES / name), "--out", str(taken))
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"--out {taken}: exists; give a new path for the bundle\n",
+    )

@@ -296,6 +296,24 @@ class BundleWriter:
         record["reason"] = reason
         self._stages.append(record)
 
+    def annotate(self, stage: str, note: str) -> None:
+        """Add ``note`` to a recorded stage's probe_source: how its tensors were
+        captured, when that differs from how the live step made them."""
+        for record in self._stages:
+            if record["stage"] == stage:
+                tensor_set = record["tensor_set"]
+                tensor_set["probe_source"] = f"{tensor_set['probe_source']}; {note}"
+                return
+        raise ValueError(f"stage {stage!r} is not recorded")
+
+    def nonfinite(self, stage: str) -> bool | None:
+        """Whether an OBSERVED stage holds a non-finite element (None: not observed)."""
+        for record in self._stages:
+            if record["stage"] == stage and record["status"] == "OBSERVED":
+                counts = record["counts"]
+                return bool(counts["nan"] or counts["posinf"] or counts["neginf"])
+        return None
+
     def not_run_rest(self, *, owner: str, reason: str) -> None:
         """Mark every stage not recorded yet as NOT_RUN, in contract order."""
         for stage in STAGE_ORDER:
@@ -358,8 +376,9 @@ class BundleWriter:
         at ``target`` and an existing bundle there as it was.
 
         Raises EvidenceRejected (nothing is written) when the check would reject
-        the bundle, and FileExistsError when ``target`` exists and ``overwrite``
-        is false. ``overwrite`` replaces only a directory holding a manifest.json
+        the bundle, FileNotFoundError (naming ``target``) when the directory
+        ``target`` would be in does not exist, and FileExistsError when
+        ``target`` exists and ``overwrite`` is false. ``overwrite`` replaces only a directory holding a manifest.json
         (a bundle), in one atomic swap where the system supports it.
         """
         self.write_checked(target, overwrite=overwrite, caps=caps)
@@ -375,6 +394,10 @@ class BundleWriter:
         from nanrunbook.check import check_bundle
 
         target = Path(target)
+        if not target.parent.is_dir():  # else the error names the hidden temporary
+            raise FileNotFoundError(
+                f"cannot write the bundle to {target}: its directory {target.parent} does not exist"
+            )
         if overwrite and (target.exists() or target.is_symlink()):
             if target.is_symlink() or not target.is_dir():
                 raise FileExistsError(f"{target} exists and is not a bundle directory")

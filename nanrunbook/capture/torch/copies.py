@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["clone_batch", "copy_optimizer", "copy_scaler", "flatten"]
+__all__ = ["clone_batch", "copy_optimizer", "copy_scaler", "eager_module", "flatten"]
 
 
 def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -28,7 +28,8 @@ def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 def clone_batch(value: Any) -> Any:
-    """A copy of a nested batch: tensors detached and cloned, containers rebuilt."""
+    """A copy of a nested batch: tensors detached and cloned, containers rebuilt,
+    other values deep-copied (or shared, when they cannot be copied)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, Mapping):
@@ -41,7 +42,10 @@ def clone_batch(value: Any) -> Any:
         return type(value)(*(clone_batch(v) for v in value))
     if isinstance(value, list | tuple):
         return type(value)(clone_batch(v) for v in value)
-    return copy.deepcopy(value)
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # a handle or lock in the batch: shared, never a training step's crash
+        return value
 
 
 def copy_optimizer(
@@ -86,3 +90,17 @@ def copy_scaler(scaler: Any, state: Mapping[str, Any] | None = None) -> Any:
     )
     rebuilt.load_state_dict(copy.deepcopy(saved))
     return rebuilt
+
+
+def eager_module(model: Any) -> tuple[Any, bool]:
+    """The module a replay copies: DistributedDataParallel and ``torch.compile``
+    wrappers taken off (hooks do not fire inside a compiled graph, so the replay
+    runs eagerly on the original module, ``_orig_mod``); True when one was compiled."""
+    compiled = False
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model, compiled = model._orig_mod, True
+        else:
+            return model, compiled

@@ -292,7 +292,7 @@ class Decisions:
         self._finish(step, held=True, bundle=captured.bundle)
         return SentinelHold(
             step=step.number,
-            reason=reason,
+            reason="; ".join((reason, *captured.notes)),
             stage=found,
             bundle=captured.bundle,
             report=report,

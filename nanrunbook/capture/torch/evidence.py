@@ -4,6 +4,7 @@ written atomically under the incident directory, and checked."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,16 @@ import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hol
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
 from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
-from nanrunbook.capture.torch.replay import Scaling, StepRecipe, bind, replay
+from nanrunbook.capture.torch.replay import (
+    COMPILED_LIVE,
+    EAGER_REPLAY,
+    Replayed,
+    Scaling,
+    StepRecipe,
+    bind,
+    mark_eager,
+    replay,
+)
 from nanrunbook.capture.torch.steps import StepRecord
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.records import STAGE_ORDER
@@ -34,6 +44,7 @@ class StepObjects:
     loss_scale: float | None  # a static loss scale, or None
     compute_loss: Callable[[Any, Any], Any]
     choose: Callable[[str, Any], bool]
+    compiled: bool = False  # the loop's model is torch.compile'd: the replay runs eagerly
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class Captured:
     bundle: Path | None
     report: Any  # nanrunbook.Report, when the bundle was written and checked
     error: str | None
+    notes: tuple[str, ...] = ()  # how the replay differs from the live step, for the reason
 
 
 def _scaling(objects: StepObjects) -> Scaling:
@@ -62,6 +74,56 @@ def _model_item(objects: StepObjects) -> dict[str, Any]:
     ]
     state = [*objects.model.state_dict().items(), *outside]
     return model_binding(iter(state), objects.model, sum(p.numel() for _, p in outside))
+
+
+def _finite(nonfinite: bool) -> str:
+    return "non-finite" if nonfinite else "finite"
+
+
+def _differences(record: StepRecord, writer: Any) -> list[tuple[str, str]]:
+    """(stage, note) where the replay's loss or gradients are finite and the live
+    step's were not, or the reverse: evidence that the replay is not the step."""
+    found: list[tuple[str, str]] = []
+    replayed = writer.nonfinite("loss")
+    if record.loss_values and replayed is not None:
+        live = not all(math.isfinite(v) for v in record.loss_values)
+        if live != replayed:
+            found.append(
+                (
+                    "loss",
+                    f"the live step's loss was {_finite(live)}, the replay's is {_finite(replayed)}",
+                )
+            )
+    grads = record.grads
+    replayed = writer.nonfinite("backward")
+    if replayed is not None:
+        # Under DDP the replay is this rank's own backward: compare with its own gradients.
+        live = not grads.local_finite if grads.local_finite is not None else grads.tripped
+        live = live or bool(grads.found_inf)
+        if live != replayed:
+            found.append(
+                (
+                    "backward",
+                    f"the live step's gradients were {_finite(live)},"
+                    f" the replay's are {_finite(replayed)}",
+                )
+            )
+    return found
+
+
+def _compare(objects: StepObjects, record: StepRecord, replayed: Replayed) -> list[str]:
+    """Mark the eager replay of a compiled model and the differences from the
+    live step in the stages' probe sources; the notes for the hold's reason."""
+    notes: list[str] = []
+    writer = replayed.writer
+    if objects.compiled:
+        mark_eager(writer)
+        notes.append(EAGER_REPLAY)
+        replayed.inexact.append(COMPILED_LIVE)
+    for stage, note in _differences(record, writer):
+        writer.annotate(stage, f"replay differs from the live step: {note}")
+        notes.append(f"replay differs from the live step: {note}")
+    return notes
 
 
 def capture_step(
@@ -95,8 +157,11 @@ def capture_step(
             incident_owner=facts.incident_owner,
             last_known_good=last_known_good,
         )
+        notes = _compare(objects, record, replayed)
         derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}
-        bind(replayed, objects.model, objects.optimizer, facts.binding(record.number), derived)
+        given = facts.binding(record.number)
+        inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
+        notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target = incident_bundle_path(root, facts.run_id, record.number, rank)
         target.parent.mkdir(parents=True, exist_ok=True)
         report = replayed.writer.write_checked(target)
@@ -115,4 +180,6 @@ def capture_step(
         decision.earliest_nonfinite_stage or "no stage",
         decision.first_nonfinite_tensor,
     )
-    return Captured(target, report, None)
+    for note in notes:
+        log.error("step %d: %s", record.number, note)
+    return Captured(target, report, None, tuple(notes))

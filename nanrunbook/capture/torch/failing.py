@@ -175,7 +175,11 @@ def replay(
         batch = clone_batch(select_examples(step.batch, examples, size))
     attached = observers(model)
     loss_finite = grads_finite = None
-    with torch.random.fork_rng(devices=cuda_devices()), warnings.catch_warnings():
+    with (
+        torch.random.fork_rng(devices=cuda_devices()),
+        step.rng_state.kept(),
+        warnings.catch_warnings(),
+    ):
         warnings.filterwarnings("ignore", message=".*[Ff]ull backward hook.*")
         step.rng_state.restore()
         try:

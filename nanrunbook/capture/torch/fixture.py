@@ -414,7 +414,7 @@ def _stand_in_reproduces(
     for leaf in leaves:
         leaf.requires_grad_(backward)
     try:
-        with torch.random.fork_rng(), ExitStack() as around:
+        with torch.random.fork_rng(), step.rng_state.kept(), ExitStack() as around:
             step.rng_state.restore()
             for region in step.autocast:
                 around.enter_context(torch.autocast(region.device_type, dtype=region.dtype))

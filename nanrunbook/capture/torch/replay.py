@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from nanrunbook.capture.torch._faithfulness import (
+    HostRandom,
+    determinism_facts,
+    device_facts,
+    inexact_kernels,
+    kept,
+)
 from nanrunbook.capture.torch.binding import (
     batch_binding,
     cuda_devices,
@@ -33,7 +40,13 @@ from nanrunbook.capture.torch.binding import (
     topology_binding,
 )
 from nanrunbook.capture.torch.convert import tensor_to_raw
-from nanrunbook.capture.torch.copies import clone_batch, copy_optimizer, copy_scaler, flatten
+from nanrunbook.capture.torch.copies import (
+    clone_batch,
+    copy_optimizer,
+    copy_scaler,
+    eager_module,
+    flatten,
+)
 from nanrunbook.capture.torch.recording import ForwardCapture, leaf
 from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.manifest.parse import BINDING_ITEMS
@@ -56,20 +69,36 @@ Choose = Callable[[str, Any], bool]
 
 @dataclass(frozen=True)
 class RngState:
-    """The global CPU generator's state and each initialised CUDA device's."""
+    """The global CPU generator's state and each initialised CUDA device's, and
+    numpy's, Python's and the loop's own generators' (``host``)."""
 
     cpu: Any
     cuda: tuple[Any, ...] = ()
+    host: HostRandom | None = None
 
     @classmethod
-    def now(cls) -> RngState:
+    def now(
+        cls, generators: Sequence[Any] = (), *, taken_live: bool = False, host: bool = True
+    ) -> RngState:
+        """``host`` false: not numpy's and Python's (numpy's get_state costs about 1 ms)."""
         devices = cuda_devices()
-        return cls(torch.get_rng_state(), tuple(torch.cuda.get_rng_state(d) for d in devices))
+        return cls(
+            torch.get_rng_state(),
+            tuple(torch.cuda.get_rng_state(d) for d in devices),
+            HostRandom.now(generators, taken_live=taken_live, streams=host),
+        )
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         for device, state in enumerate(self.cuda):
             torch.cuda.set_rng_state(state, device)
+        if self.host is not None:
+            self.host.restore()
+
+    def kept(self) -> AbstractContextManager[None]:
+        """Around a replay that restores this state: numpy's, Python's and the
+        generators' states put back after (torch's fork puts back torch's)."""
+        return kept([g for g, _ in self.host.generators] if self.host is not None else [])
 
 
 @dataclass(frozen=True)
@@ -145,6 +174,7 @@ class Replayed:
     activation_weights: dict[str, int]
     random_state: dict[str, Any]
     batch: dict[str, Any]
+    inexact: list[str] = field(default_factory=list)  # why it may not repeat the live step
 
 
 # ------------------------------------------------------------------ the copies
@@ -222,6 +252,7 @@ class _Forward:
     weights: dict[str, int] = field(default_factory=dict)
     stopped: str | None = None  # why backward was not run, if it was not
     random_state: dict[str, Any] = field(default_factory=dict)
+    inexact: list[str] = field(default_factory=list)  # why the replay may not be the step
 
 
 def _label(kind: str, index: int, count: int) -> str:
@@ -236,11 +267,16 @@ def _micro_batch(copies: _Copies, recipe: StepRecipe, index: int, forward: _Forw
     if micro.rng is not None:
         micro.rng.restore()
     if index == 0:
-        forward.random_state = random_state_binding(recipe.seed)
+        host = micro.rng.host if micro.rng is not None else None
+        forward.random_state = {
+            **random_state_binding(recipe.seed),
+            **(host or HostRandom.now()).fields(),
+        }
     batch = clone_batch(micro.batch)
     name = _label("batch", index, count)
+    # Bytes now: compute_loss may rewrite its batch in place (x.sub_, masked_fill_).
     forward.inputs += [
-        (f"{name}/{n}" if n else name, t, f"batch[{n!r}]" if n else "batch")
+        (f"{name}/{n}" if n else name, tensor_to_raw(t), f"batch[{n!r}]" if n else "batch")
         for n, t in flatten(batch, "")
     ]
     capture = ForwardCapture(copies.model, recipe.choose, f"mb{index}/" if count > 1 else "")
@@ -273,9 +309,18 @@ def _forward_stages(
     writer: BundleWriter, copies: _Copies, recipe: StepRecipe, owner: Mapping[str, str]
 ) -> _Forward:
     forward = _Forward()
-    with torch.random.fork_rng(devices=cuda_devices()), _outside_gradients(copies):
-        for index in range(len(recipe.micro_batches)):
-            _micro_batch(copies, recipe, index, forward)
+    first = recipe.micro_batches[0].rng
+    host = first.host if first is not None else None
+    with torch.random.fork_rng(devices=cuda_devices()), (first or RngState(None)).kept():
+        start = host if host is not None and host.numpy is not None else HostRandom.now()
+        with _outside_gradients(copies):
+            for index in range(len(recipe.micro_batches)):
+                _micro_batch(copies, recipe, index, forward)
+        if not start.taken_live and not start.same_as_now():
+            forward.inexact.append(
+                "the replay drew from numpy's or Python's random, whose state at the"
+                " live step is not known"
+            )
     if not forward.activations:
         raise ValueError("no chosen module ran in the forward: nothing to capture")
     writer.observe(
@@ -448,6 +493,7 @@ def replay(
         activation_weights=forward.weights,
         random_state=forward.random_state,
         batch=batch,
+        inexact=forward.inexact,
     )
 
 
@@ -457,17 +503,29 @@ def bind(
     optimizer: Any,
     given: Mapping[str, Mapping[str, Any]],
     derived: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+) -> list[str]:
     """Set the writer's binding: what the replay and the process can derive, then
-    ``derived`` (more derived items), then ``given`` (the caller's, which win)."""
+    ``derived`` (more derived items), then ``given`` (the caller's, which win).
+    Returns why the replay may not repeat the live step (also in the
+    environment item: ``replay`` and ``replay_inexact``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    inexact = [*replayed.inexact, *inexact_kernels(device)]
+    environment = {
+        **environment_binding(),
+        **device_facts(device),
+        **determinism_facts(),
+        "replay": "inexact" if inexact else "exact",
+    }
+    if inexact:
+        environment["replay_inexact"] = "; ".join(inexact)
     items: dict[str, Any] = {
         "model": model_binding(iter(model.state_dict().items()), model),
         "batch": replayed.batch,
         "optimizer": optimizer_binding(optimizer),
         "scaler": replayed.scaler,
         "random_state": replayed.random_state,
-        "environment": environment_binding(),
+        "environment": environment,
         "topology": topology_binding(),
         "precision": precision_binding(params, replayed.activation_weights),
         **{name: dict(fields) for name, fields in (derived or {}).items()},
@@ -477,6 +535,23 @@ def bind(
         **{name: items[name] for name in BINDING_ITEMS if name in items},
         **{name: value for name, value in items.items() if name not in BINDING_ITEMS},
     }
+    return inexact
+
+
+EAGER_REPLAY = (
+    "replayed eagerly on a copy of the compiled model's original module (_orig_mod);"
+    " the live step ran compiled"
+)
+
+
+COMPILED_LIVE = "the live step ran compiled, the replay eagerly"
+
+
+def mark_eager(writer: BundleWriter) -> None:
+    """Say in each stage the model made that the replay ran eagerly."""
+    for stage in STAGE_ORDER[1:]:
+        if writer.nonfinite(stage) is not None:
+            writer.annotate(stage, EAGER_REPLAY)
 
 
 # ------------------------------------------------------------- replay_step (API)
@@ -484,17 +559,20 @@ def bind(
 _REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
 
 
-def _micro_batch_for(seed: int | None, rng_state: Any, batch: Any) -> MicroBatch:
+def rng_state_for(seed: int | None, rng_state: Any, generators: Sequence[Any] = ()) -> RngState:
+    """The RNG state a replay starts from: seeded, the given
+    ``torch.get_rng_state()``, or (neither) the current state; numpy's, Python's
+    and ``generators``' current states. ValueError for both."""
     if seed is not None and rng_state is not None:
         raise ValueError("give seed or rng_state, not both")
     if seed is None and rng_state is None:
-        return MicroBatch(batch, RngState.now())  # a fork of the current state
+        return RngState.now(generators)  # a fork of the current state
     with torch.random.fork_rng(devices=cuda_devices()):
         if seed is not None:
             torch.manual_seed(seed)
         else:
             torch.set_rng_state(rng_state)
-        return MicroBatch(batch, RngState.now())
+        return RngState.now(generators)
 
 
 def _refuse_what_cannot_be_true(binding: Mapping[str, Any], gradients: str, scaler: Any) -> bool:
@@ -530,6 +608,7 @@ def replay_step(
     optimizer_factory: Callable[[list[dict[str, Any]]], Any] | None = None,
     target: str | Path | None = None,
     overwrite: bool = False,
+    generators: Sequence[Any] = (),
 ) -> BundleWriter:
     """Replay one training step on copies and capture its five boundaries.
 
@@ -541,9 +620,12 @@ def replay_step(
     ``optimizer_factory(param_groups)``), and ``scaler`` (a
     ``torch.amp.GradScaler``, optional) is rebuilt from its state_dict, so the
     real model, optimizer, scaler, gradients and global RNG state are left
-    bit-identical. The copy's gradients start from None.
+    bit-identical. The copy's gradients start from None. A ``torch.compile``d
+    model is replayed eagerly on a copy of its original module (``_orig_mod``),
+    as each stage's probe_source says.
 
-    Captured: input (the batch tensors), forward (outputs of ``modules`` --
+    Captured: input (the batch tensors as given, taken before ``compute_loss``
+    runs, which may change its clone in place), forward (outputs of ``modules`` --
     default: every leaf module -- named ``act/<module path>``, and named probes,
     ``probe/<name>``, in execution order), loss, backward (``grad/<param>`` of
     the optimizer's parameters, after ``scaler.unscale_``, or before it when
@@ -560,18 +642,22 @@ def replay_step(
     the scaler item is the loss-scale evidence) and any given item replaces the
     derived one. ``seed`` or ``rng_state`` (a ``torch.get_rng_state()``
     snapshot) sets the RNG the replay runs on; by default it runs on a fork of
-    the current state. ``last_known_good`` states ``checkpoint_id``, ``step``
+    the current state. numpy's and Python's random and ``generators`` (the
+    loop's own ``torch.Generator`` objects) replay from their current states, put back
+    afterwards; the environment item says whether the replay could be exact
+    (``replay``, and ``replay_inexact``: why not). ``last_known_good`` states ``checkpoint_id``, ``step``
     and ``verified_together``.
 
     Returns the BundleWriter; with ``target`` the bundle is also written there
     (see :meth:`BundleWriter.write`).
     """
     dynamic = _refuse_what_cannot_be_true(binding, gradients, scaler)
+    model, compiled = eager_module(model)
     owner = dict.fromkeys(STAGE_ORDER, incident_owner)
     owner.update(owners or {})
     recipe = StepRecipe(
         compute_loss=compute_loss,
-        micro_batches=(_micro_batch_for(seed, rng_state, batch),),
+        micro_batches=(MicroBatch(batch, rng_state_for(seed, rng_state, generators)),),
         scaling=Scaling("dynamic", scaler=scaler) if dynamic else Scaling(),
         gradients="scaled" if gradients == "scaled" else "unscaled",
         choose=modules or leaf,
@@ -585,6 +671,9 @@ def replay_step(
         "last_known_good": last_known_good,
     }
     replayed = replay(model, optimizer, recipe, owner, **identity)
+    if compiled:
+        mark_eager(replayed.writer)
+        replayed.inexact.append(COMPILED_LIVE)
     bind(replayed, model, optimizer, binding)
     if target is not None:
         replayed.writer.write(target, overwrite=overwrite)

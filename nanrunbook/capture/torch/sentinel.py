@@ -46,6 +46,7 @@ from nanrunbook.capture.telemetry import (
     Thresholds,
 )
 from nanrunbook.capture.torch.binding import add_weight, heaviest
+from nanrunbook.capture.torch.copies import clone_batch, eager_module
 from nanrunbook.capture.torch.decide import STOP, Decisions
 from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
@@ -108,6 +109,12 @@ class Sentinel(Decisions):
     is rolled back (memory: one more copy of the parameters and of the
     optimizer state). ``telemetry``: the JSON-lines file (default
     ``<incident_dir>/<run_id>/telemetry.jsonl``; False for none).
+    ``generators``: the loop's own ``torch.Generator`` objects that the forward
+    draws from; their states, numpy's and Python's random are taken before
+    each forward and restored for the replay (the run's are left as they were).
+    ``host_random`` false skips numpy's and Python's (numpy's ``get_state``
+    costs about 1 ms a forward): a replay that draws from them is then marked
+    inexact.
     """
 
     def __init__(
@@ -132,6 +139,8 @@ class Sentinel(Decisions):
         incident_owner: str = "ml-oncall",
         modules: Callable[[str, Any], bool] | None = None,
         process_group: Any = None,
+        generators: Iterable[Any] = (),
+        host_random: bool = True,
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
@@ -152,16 +161,18 @@ class Sentinel(Decisions):
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
+        self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
+        self.host_random = host_random
+        replayed, compiled = eager_module(model)
         self.objects = StepObjects(
-            model=getattr(model, "module", model)
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            else model,
+            model=replayed,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=self.scaler,
             loss_scale=self.loss_scale,
             compute_loss=compute_loss,
             choose=modules or leaf,
+            compiled=compiled,
         )
         self._local = self._local_gradients(model, process_group)
         self._setup_state(snapshot, telemetry)
@@ -235,11 +246,15 @@ class Sentinel(Decisions):
 
     def forward(self, batch: Any) -> Any:
         """``compute_loss(model, batch)``, with the RNG state and autocast regions
-        taken before it (a replay repeats them); call it once per micro-batch."""
+        taken before it (a replay repeats them) and a clone of the batch as given
+        (``compute_loss`` may change it in place); call it once per micro-batch."""
         if self.closed:
             raise RuntimeError("the sentinel is closed")
         step = self._step or self._begin()
-        micro = MicroBatch(batch, RngState.now(), Autocast.now())
+        # A clone: compute_loss may rewrite its batch in place, and the replay and
+        # the input stage need the batch as given.
+        rng = RngState.now(self.generators, taken_live=True, host=self.host_random)
+        micro = MicroBatch(clone_batch(batch), rng, Autocast.now())
         with step.sampler.hooked() if step.sampler is not None else nullcontext():
             loss = self.compute_loss(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

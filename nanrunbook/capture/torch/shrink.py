@@ -33,6 +33,7 @@ from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError, S
 from nanrunbook.capture.torch.failing import FailingStep, replay, resolved
 from nanrunbook.capture.torch.finiteness import all_finite, nonfinite_rows
 from nanrunbook.capture.torch.locate import Found, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch.replay import rng_state_for
 
 __all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "StepIsFinite", "shrink", "shrink_step"]
 
@@ -370,22 +371,46 @@ def shrink_step(
     scaler: Any = None,
     loss_scale: float | None = None,
     rng_state: Any = None,
+    seed: int | None = None,
     select: Callable[[Any, tuple[int, ...]], Any] | None = None,
     batch_size: int | None = None,
-    **options: Any,
+    stage: str | None = None,
+    max_replays: int = DEFAULT_MAX_REPLAYS,
+    hint: bool = True,
+    fixture: str | Path | None = None,
+    bundle: Mapping[str, Any] | None = None,
+    drop_names: bool = False,
+    overwrite: bool = False,
 ) -> Shrink:
     """One call: :func:`shrink` of the step the loop just ran.
 
-    ``compute_loss(model, batch)`` is the loop's forward, autocast included;
+    ``compute_loss(model, batch)`` is the loop's forward, autocast included
+    (every replay runs it on a clone of ``batch``, which is the batch as given:
+    a loop whose compute_loss changes its batch in place passes a clone taken
+    before its own forward);
     ``scaler``/``loss_scale`` scale the loss before backward as the loop did;
-    ``rng_state`` is ``torch.get_rng_state()`` taken before the forward (by
-    default the current state). ``options`` are :func:`shrink`'s (stage,
-    max_replays, hint, fixture, bundle, drop_names, overwrite).
+    ``rng_state`` is ``torch.get_rng_state()`` taken before the forward, or
+    ``seed`` the seed the step ran from, as :func:`replay_step` takes them (by
+    default the current state; both: ShrinkError). The other options are
+    :func:`shrink`'s.
     """
+    try:
+        state = rng_state_for(seed, rng_state)
+    except ValueError as error:
+        raise ShrinkError(str(error)) from None
     step = FailingStep(
-        model, optimizer, batch, compute_loss, scaler, loss_scale, rng_state, select, batch_size
+        model, optimizer, batch, compute_loss, scaler, loss_scale, state, select, batch_size
     )
-    return shrink(step, **options)
+    return shrink(
+        step,
+        stage=stage,
+        max_replays=max_replays,
+        hint=hint,
+        fixture=fixture,
+        bundle=bundle,
+        drop_names=drop_names,
+        overwrite=overwrite,
+    )
 
 
 @dataclass(frozen=True, slots=True)
