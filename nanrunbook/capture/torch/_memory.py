@@ -27,31 +27,55 @@ class Peak:
 
 
 def peak_allocated(
-    run: Callable[[], Any], *, device: str = "cpu", host: Callable[[], Iterable[int]] = tuple
+    run: Callable[[], Any],
+    *,
+    prepare: Callable[[], Any] | None = None,
+    device: str = "cpu",
+    host: Callable[[], Iterable[tuple[int, int]]] = tuple,
 ) -> Peak:
-    """Run ``run`` under the profiler and return its peak net allocation on
-    ``device``. ``host()`` names the data pointers of buffers that count as host
-    memory (on the CPU the host and the device are one memory): their bytes are
-    taken out of the device figure and reported apart."""
+    """Run ``prepare`` then ``run`` under the profiler and return the peak net
+    allocation on ``device`` while ``run`` ran, over the level at its start.
+    What ``run`` frees counts only when the profiler saw it allocated, so the
+    state it may free is made in ``prepare``. ``host()`` names the data pointers
+    and sizes of buffers that count as host memory (on the CPU the host and the device are
+    one memory): their bytes are taken out of the device figure, reported apart."""
     from torch._C._profiler import _EventType
+    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
+    marker = "nanrunbook.measured"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = run()
-    host_pointers = set(host())
-    events: list[tuple[int, int, bool]] = []
+        if prepare is not None:
+            prepare()
+        with record_function(marker):
+            result = run()
+    host_buffers = set(host())
+    events: list[tuple[int, int, int]] = []
+    window = (0, 0)
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         node = pending.pop()
         pending.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device:
+        if node.name == marker:
+            window = (node.start_time_ns, node.end_time_ns)
+        elif node.tag == _EventType.Allocation and node.extra_fields.device.type == device:
             fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.ptr in host_pointers))
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
     events.sort(key=lambda event: event[0])
-    total = held = best_device = best_host = 0
-    for _, size, is_host in events:
+    total = held = 0
+    base: tuple[int, int] | None = None
+    best_device = best_host = 0
+    live_host: set[int] = set()  # a freed buffer's address may be reused by the device
+    for when, size, pointer in events:
+        is_host = pointer in live_host or (size > 0 and (pointer, size) in host_buffers)
+        if is_host:
+            (live_host.add if size > 0 else live_host.discard)(pointer)
+        if when > window[0] and base is None:
+            base = (total, held)
         total += size
         held += size if is_host else 0
-        if total - held > best_device:
-            best_device, best_host = total - held, held
+        if base is not None and when <= window[1]:
+            device_now = (total - held) - (base[0] - base[1])
+            if device_now > best_device:
+                best_device, best_host = device_now, held - base[1]
     return Peak(best_device, best_host, result)

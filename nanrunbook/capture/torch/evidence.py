@@ -12,6 +12,7 @@ from typing import Any
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
+from nanrunbook.capture.torch._offload import ReplayMemory
 from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
 from nanrunbook.capture.torch.replay import Scaling, StepRecipe, bind, replay
 from nanrunbook.capture.torch.steps import StepRecord
@@ -34,6 +35,7 @@ class StepObjects:
     loss_scale: float | None  # a static loss scale, or None
     compute_loss: Callable[[Any, Any], Any]
     choose: Callable[[str, Any], bool]
+    memory: ReplayMemory = "auto"  # the replay's path: default, offload, or chosen by free memory
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ def capture_step(
         clipping=record.clip.recipe() if record.clip is not None else None,
         choose=objects.choose,
         outside=True,
+        memory=objects.memory,
     )
     owner = dict.fromkeys(STAGE_ORDER, facts.incident_owner)
     try:
