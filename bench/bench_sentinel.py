@@ -351,6 +351,22 @@ def _step_peak(setup: Setup, sample_every: int) -> int:
     return peak
 
 
+def _training_step_peak(setup: Setup) -> int:
+    """Peak bytes of one whole training step under the sentinel (forward,
+    backward, step) over the level before it: the room the step itself needs."""
+    o = setup.objects()
+    sentinel = setup.sentinel(o, Path(tempfile.mkdtemp()), 0, timed=False)
+
+    def prepare() -> None:
+        setup.step(o, 0, sentinel.forward, sentinel.clip_grad_norm_)
+
+    peak = peak_allocated(
+        lambda: setup.step(o, 1, sentinel.forward, sentinel.clip_grad_norm_), prepare=prepare
+    ).device
+    sentinel.close()
+    return peak
+
+
 def _sampled_step_peak(setup: Setup) -> int:
     """A sampled step's peak over the same step unsampled."""
     return _step_peak(setup, 1) - _step_peak(setup, 0)
@@ -410,11 +426,13 @@ def memory_cost(setup: Setup) -> None:
     )
     device, _ = _hold_peak(setup, "device")
     offload, host = _hold_peak(setup, "offload")
+    step = _training_step_peak(setup)
     print(
         f"  peak extra memory of a hold: replay beside the real state {device / params:.2f}x"
         f" the parameter bytes -> real gradients and optimizer state offloaded"
         f" {offload / params:.2f}x on the device, {host / params:.2f}x on the host"
-        f" at that moment (float32 AdamW, snapshot on)"
+        f" at that moment (float32 AdamW, snapshot on; the replayed forward's activations"
+        f" included: a training step itself peaks {step / params:.2f}x over its start)"
     )
 
 
@@ -464,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a small run: 2 layers of width 256, 2 steps, 1 run, the plain loop only",
     )
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only the memory figures (the plain loop)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.steps, args.runs, args.shapes = 2, 256, 2, 1, "plain"
@@ -479,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         print(f"{shape}:")
         setup = Setup(args, shape)
+        if args.memory_only:
+            if shape == "plain":
+                memory_cost(setup)
+            continue
         step = measure(setup, args)
         if shape == "plain":
             capture_cost(setup, step)

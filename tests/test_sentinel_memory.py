@@ -198,7 +198,7 @@ def test_an_offloaded_replay_writes_the_same_bundle_and_leaves_the_real_state(
 def test_an_offloaded_replay_takes_at_most_twice_the_parameters_on_the_device(
     tmp_path: Path,
 ) -> None:
-    """Measured: the default path takes about 5x the parameter bytes more than
+    """Measured: the default path takes about 5.5x the parameter bytes more than
     the training step had (float32 AdamW: model, state, gradients, parameters
     before the update); the offload path at most 2x on the device, the rest on
     the host."""
@@ -230,3 +230,20 @@ def test_a_snapshot_or_replay_memory_that_is_not_one_of_the_choices_is_refused(
         Sentinel(model, optimizer, _loss, snapshot="gpu", **facts("bad", tmp_path))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="replay_memory is one of"):
         Sentinel(model, optimizer, _loss, replay_memory="cpu", **facts("bad", tmp_path))  # type: ignore[arg-type]
+
+
+def test_auto_offloads_only_when_the_free_memory_it_sees_is_short(monkeypatch: Any) -> None:
+    """``auto``: the default path on the CPU (no free-memory figure), the offload
+    path when the device's free memory is less than the default path needs."""
+    from nanrunbook.capture.torch import _offload
+
+    model = _stack()
+    optimizer = torch.optim.AdamW(model.parameters())
+    need = _offload.default_path_bytes(model, optimizer)
+    assert need >= 4 * sum(p.numel() * 4 for p in model.parameters())  # copies, grads, update
+    assert _offload.choose_path(model, optimizer, "auto") == "device"
+    monkeypatch.setattr(_offload, "_device_free", lambda device: need // 2)
+    assert _offload.choose_path(model, optimizer, "auto") == "offload"
+    monkeypatch.setattr(_offload, "_device_free", lambda device: 2 * need)
+    assert _offload.choose_path(model, optimizer, "auto") == "device"
+    assert _offload.choose_path(model, optimizer, "offload") == "offload"

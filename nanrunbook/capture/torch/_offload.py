@@ -12,8 +12,8 @@ bytes, keeps the parameters before the update on the host, and after the replay
 gives each storage its bytes back. The copies then stand in the room the real
 state left: the replay takes about one more parameter copy on the device than
 the training step had, with the forward's activations and the optimizer's
-temporaries (1.75x the parameter bytes measured, float32 AdamW), the rest on
-the host.
+temporaries (0.62x the parameter bytes measured for a stack of linear layers
+under float32 AdamW, where the default path takes 5.5x), the rest on the host.
 
 ``auto`` takes the offload path when the device's free memory (what the driver
 reports free plus what torch's caching allocator holds unused) is less than

@@ -162,6 +162,7 @@ class _Copies:
     outside: list[tuple[Any, Any]]  # (real, copy) of parameters outside the model
     twins: dict[int, Any]  # id of a real parameter -> its copy
     room: Room
+    real_optimizer: Any  # its state is loaded into the copy only for the update
 
 
 def _make_copies(model: Any, optimizer: Any, recipe: StepRecipe, room: Room) -> _Copies:
@@ -177,14 +178,19 @@ def _make_copies(model: Any, optimizer: Any, recipe: StepRecipe, room: Room) -> 
                     mapping[id(param)] = twin
                     names[id(twin)] = f"outside/group{g}.param{i}"
                     outside.append((param, twin))
+    # Without its state until the update: the forward's activations and the
+    # optimizer state are never on the device at once.
+    groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
     optimizer_copy = copy_optimizer(
-        optimizer, mapping, recipe.optimizer_factory, room.optimizer_state(optimizer)
+        optimizer, mapping, recipe.optimizer_factory, {"state": {}, "param_groups": groups}
     )
     optimizer_copy.zero_grad(set_to_none=True)
     scaling = recipe.scaling
     scaler = copy_scaler(scaling.scaler, scaling.state) if scaling.mode == "dynamic" else None
     params = [p for group in optimizer_copy.param_groups for p in group["params"]]
-    return _Copies(model_copy, optimizer_copy, scaler, params, names, outside, mapping, room)
+    return _Copies(
+        model_copy, optimizer_copy, scaler, params, names, outside, mapping, room, optimizer
+    )
 
 
 @contextmanager
@@ -381,6 +387,11 @@ def _optimizer_stage(
     owner: Mapping[str, str],
     found_inf: bool,
 ) -> None:
+    state = copies.room.optimizer_state(copies.real_optimizer)
+    copies.optimizer.load_state_dict(
+        copy.deepcopy(copies.real_optimizer.state_dict()) if state is None else state
+    )
+    del state
     before = [copies.room.keep(p) for p in copies.params]
     if copies.scaler is not None:
         copies.scaler.step(copies.optimizer)
