@@ -247,3 +247,50 @@ def test_auto_offloads_only_when_the_free_memory_it_sees_is_short(monkeypatch: A
     monkeypatch.setattr(_offload, "_device_free", lambda device: 2 * need)
     assert _offload.choose_path(model, optimizer, "auto") == "device"
     assert _offload.choose_path(model, optimizer, "offload") == "offload"
+
+
+def test_an_offloaded_replay_that_fails_still_puts_the_real_state_back(tmp_path: Path) -> None:
+    """A replay that raises (here compute_loss on the copy) on the offload path:
+    the hold stands without a bundle, and the real gradients and optimizer state
+    set aside on the host are back on their tensors, bit for bit."""
+    from sentinel_support import bits
+
+    from nanrunbook.capture.torch import SentinelHold
+
+    model = _stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def only_the_real_model(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if m is not model:
+            raise RuntimeError("out of memory (made on purpose)")
+        return _loss(m, batch)
+
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        only_the_real_model,
+        replay_memory="offload",
+        thresholds=Thresholds(sample_every=0),
+        telemetry=False,
+        **facts("failing-replay", tmp_path),
+    )
+    batch = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(2))
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=False)
+        if step == 2:
+            batch[0, 0] = float("nan")
+        sentinel.forward(batch).backward()
+        if step == 2:
+            # Bits of clones: a numpy view would make the real storages unresizable.
+            grads = [bits(p.grad.clone()) for p in model.parameters()]  # type: ignore[union-attr]
+            state = [bits(v.clone()) for s in optimizer.state.values() for v in s.values()]
+            try:
+                optimizer.step()
+            except SentinelHold as hold:
+                assert hold.bundle is None and "made on purpose" in str(hold.capture_error)
+            else:
+                raise AssertionError("the step did not hold")
+        else:
+            optimizer.step()
+    assert [bits(p.grad) for p in model.parameters()] == grads
+    assert [bits(v) for s in optimizer.state.values() for v in s.values()] == state
