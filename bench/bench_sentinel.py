@@ -14,15 +14,22 @@ through the sentinel; under a GradScaler with float16 autocast):
   gradient and update magnitudes), amortised over ``--sample-every`` steps;
 * host syncs added per step, counted as the tests count them;
 * capture on a hold: replay, bundle write and check against one step, and the
-  bound "3 steps + bundle bytes at the single-stream SHA-256 rate".
+  bound "3 steps + bundle bytes at the single-stream SHA-256 rate";
+* peak extra memory of a hold and of a sampled step, as multiples of the
+  parameter bytes, old path against new in the same run: torch's allocations
+  as the profiler's allocation events count them (each carries the CPU
+  allocator's running total; see nanrunbook.capture.torch._memory), over the
+  level when the measured call starts. On the CPU the host and the device are
+  one memory: the offload path's host buffers are counted apart by address.
 
-    python bench/bench_sentinel.py [--steps 6 --runs 3 --layers 7 --width 512]
+    python bench/bench_sentinel.py [--steps 6 --runs 3 --layers 7 --width 512] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import os
 import statistics
@@ -39,9 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanrunbook.capture.torch.sentinel as sentinel_module
 import nanrunbook.capture.torch.steps as steps_module
-from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
+from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, _offload
+from nanrunbook.capture.torch._memory import peak_allocated
+from nanrunbook.capture.torch.checks import max_rows
 from nanrunbook.capture.torch.sentinel import Sentinel as _Base
 from nanrunbook.capture.torch.steps import ClipCall as _ClipCall
+from nanrunbook.capture.torch.steps import update_extremes as _update_extremes
 
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 VOCAB = 8192
@@ -321,6 +331,111 @@ def capture_cost(setup: Setup, step_time: float) -> None:
         print("  capture on hold: the step did not hold (unexpected)")
 
 
+def _old_update_extremes(params: list[Any], before: list[Any]) -> tuple[list[str], Any]:
+    """The sampled step's update measure before this round: every delta at once."""
+    return max_rows([p.detach().float() - b.float() for p, b in zip(params, before, strict=True)])
+
+
+def _step_peak(setup: Setup, sample_every: int) -> int:
+    """Peak bytes of the second step's optimizer.step() (decision, update, watch)."""
+    o = setup.objects()
+    sentinel = setup.sentinel(o, Path(tempfile.mkdtemp()), sample_every, timed=False)
+
+    def prepare() -> None:
+        setup.step(o, 0, sentinel.forward, sentinel.clip_grad_norm_)  # the state exists
+        o["optimizer"].zero_grad()
+        sentinel.forward(setup.batches[1]).backward()
+
+    peak = peak_allocated(o["optimizer"].step, prepare=prepare).device
+    sentinel.close()
+    return peak
+
+
+def _training_step_peak(setup: Setup) -> int:
+    """Peak bytes of one whole training step under the sentinel (forward,
+    backward, step) over the level before it: the room the step itself needs."""
+    o = setup.objects()
+    sentinel = setup.sentinel(o, Path(tempfile.mkdtemp()), 0, timed=False)
+
+    def prepare() -> None:
+        setup.step(o, 0, sentinel.forward, sentinel.clip_grad_norm_)
+
+    peak = peak_allocated(
+        lambda: setup.step(o, 1, sentinel.forward, sentinel.clip_grad_norm_), prepare=prepare
+    ).device
+    sentinel.close()
+    return peak
+
+
+def _sampled_step_peak(setup: Setup) -> int:
+    """A sampled step's peak over the same step unsampled."""
+    return _step_peak(setup, 1) - _step_peak(setup, 0)
+
+
+def _hold_peak(setup: Setup, memory: str) -> tuple[int, int]:
+    """Peak device and host bytes of a hold's capture: two healthy AdamW steps,
+    then one with eps=0 whose update is NaN (0/0 on embedding rows no batch
+    used), rolled back from the snapshot and replayed (the call that holds)."""
+    o = setup.objects()
+    root = Path(tempfile.mkdtemp(prefix="bench-sentinel-memory-"))
+    sentinel = setup.sentinel(o, root, 0, timed=False, snapshot=True)
+    sentinel.objects = dataclasses.replace(sentinel.objects, memory=memory)
+    buffers: list[tuple[int, int]] = []
+    real_buffer = _offload.host_buffer
+
+    def recorded(nbytes: int, pinned: bool) -> Any:
+        made = real_buffer(nbytes, pinned)
+        buffers.append((made.data_ptr(), nbytes))
+        return made
+
+    def prepare() -> None:
+        for i in range(3):
+            if i == 2:
+                for group in o["optimizer"].param_groups:
+                    group["eps"] = 0.0
+            setup.step(o, i, sentinel.forward, sentinel.clip_grad_norm_)
+
+    def hold() -> bool:
+        try:
+            sentinel.close()
+        except SentinelHold as held:
+            return held.bundle is not None
+        return False
+
+    _offload.host_buffer = recorded  # type: ignore[assignment]
+    try:
+        peak = peak_allocated(hold, prepare=prepare, host=lambda: buffers)
+    finally:
+        _offload.host_buffer = real_buffer  # type: ignore[assignment]
+    if not peak.result:
+        print(f"  memory ({memory}): the step did not hold with a bundle (unexpected)")
+    return peak.device, peak.host
+
+
+def memory_cost(setup: Setup) -> None:
+    params = sum(p.numel() * p.element_size() for p in setup.initial.parameters())
+    new = _sampled_step_peak(setup)
+    steps_module.update_extremes = _old_update_extremes  # type: ignore[assignment]
+    try:
+        old = _sampled_step_peak(setup)
+    finally:
+        steps_module.update_extremes = _update_extremes
+    print(
+        f"  peak extra memory of a sampled step: {old / params:.2f}x the parameter bytes"
+        f" (every float32 delta at once) -> {new / params:.2f}x (one parameter at a time)"
+    )
+    device, _ = _hold_peak(setup, "device")
+    offload, host = _hold_peak(setup, "offload")
+    step = _training_step_peak(setup)
+    print(
+        f"  peak extra memory of a hold: replay beside the real state {device / params:.2f}x"
+        f" the parameter bytes -> real gradients and optimizer state offloaded"
+        f" {offload / params:.2f}x on the device, {host / params:.2f}x on the host"
+        f" at that moment (float32 AdamW, snapshot on; the replayed forward's activations"
+        f" included: a training step itself peaks {step / params:.2f}x over its start)"
+    )
+
+
 def measure(setup: Setup, args: argparse.Namespace) -> float:
     plain, watched, own = [], [], []
     for _ in range(args.runs):  # alternating: each pair sees the same machine
@@ -362,7 +477,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per setting")
     parser.add_argument("--sample-every", type=int, default=100)
     parser.add_argument("--shapes", default="plain,clip,gradscaler")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run: 2 layers of width 256, 2 steps, 1 run, the plain loop only",
+    )
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only the memory figures (the plain loop)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.width, args.steps, args.runs, args.shapes = 2, 256, 2, 1, "plain"
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = GPT(args.layers, args.width, context=args.seq)
     print(
@@ -375,9 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         print(f"{shape}:")
         setup = Setup(args, shape)
+        if args.memory_only:
+            if shape == "plain":
+                memory_cost(setup)
+            continue
         step = measure(setup, args)
         if shape == "plain":
             capture_cost(setup, step)
+            memory_cost(setup)
     return 0
 
 

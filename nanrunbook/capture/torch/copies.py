@@ -52,10 +52,12 @@ def copy_optimizer(
     optimizer: Any,
     mapping: Mapping[int, Any],
     factory: Callable[[list[dict[str, Any]]], Any] | None,
+    state: Mapping[str, Any] | None = None,
 ) -> Any:
     """The optimizer rebuilt on copied parameters (``mapping``: id of a real
     parameter -> its copy), its state loaded from a deep copy of the real one's
-    state_dict (never sharing a tensor with it)."""
+    state_dict (never sharing a tensor with it), or from ``state``, such a copy
+    made elsewhere."""
     groups: list[dict[str, Any]] = []
     for group in optimizer.param_groups:
         params = []
@@ -72,7 +74,7 @@ def copy_optimizer(
         except TypeError:
             rebuilt = type(optimizer)(groups, **optimizer.defaults)
         rebuilt.defaults = copy.deepcopy(optimizer.defaults)
-    rebuilt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    rebuilt.load_state_dict(copy.deepcopy(optimizer.state_dict()) if state is None else state)
     return rebuilt
 
 

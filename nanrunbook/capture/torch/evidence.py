@@ -13,6 +13,7 @@ from typing import Any
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
+from nanrunbook.capture.torch._offload import ReplayMemory
 from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
 from nanrunbook.capture.torch.replay import (
     COMPILED_LIVE,
@@ -45,6 +46,7 @@ class StepObjects:
     compute_loss: Callable[[Any, Any], Any]
     choose: Callable[[str, Any], bool]
     compiled: bool = False  # the loop's model is torch.compile'd: the replay runs eagerly
+    memory: ReplayMemory = "auto"  # the replay's path: default, offload, or chosen by free memory
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ def capture_step(
         clipping=record.clip.recipe() if record.clip is not None else None,
         choose=objects.choose,
         outside=True,
+        memory=objects.memory,
     )
     owner = dict.fromkeys(STAGE_ORDER, facts.incident_owner)
     try:

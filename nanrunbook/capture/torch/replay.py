@@ -29,6 +29,7 @@ from nanrunbook.capture.torch._faithfulness import (
     inexact_kernels,
     kept,
 )
+from nanrunbook.capture.torch._offload import ReplayMemory, Room, room_for_replay
 from nanrunbook.capture.torch.binding import (
     batch_binding,
     cuda_devices,
@@ -163,6 +164,7 @@ class StepRecipe:
     optimizer_factory: Callable[[list[dict[str, Any]]], Any] | None = None
     outside: bool = False  # the optimizer may hold parameters outside the model
     seed: int | None = None  # recorded in the random_state binding
+    memory: ReplayMemory = "auto"  # where the replay makes room (see _offload)
 
 
 @dataclass
@@ -189,9 +191,11 @@ class _Copies:
     names: dict[int, str]  # id of a copied parameter -> its bundle name
     outside: list[tuple[Any, Any]]  # (real, copy) of parameters outside the model
     twins: dict[int, Any]  # id of a real parameter -> its copy
+    room: Room
+    real_optimizer: Any  # its state is loaded into the copy only for the update
 
 
-def _make_copies(model: Any, optimizer: Any, recipe: StepRecipe) -> _Copies:
+def _make_copies(model: Any, optimizer: Any, recipe: StepRecipe, room: Room) -> _Copies:
     model_copy = copy.deepcopy(model)
     mapping = {id(p): q for p, q in zip(model.parameters(), model_copy.parameters(), strict=True)}
     names = {id(p): name for name, p in model_copy.named_parameters()}
@@ -204,12 +208,19 @@ def _make_copies(model: Any, optimizer: Any, recipe: StepRecipe) -> _Copies:
                     mapping[id(param)] = twin
                     names[id(twin)] = f"outside/group{g}.param{i}"
                     outside.append((param, twin))
-    optimizer_copy = copy_optimizer(optimizer, mapping, recipe.optimizer_factory)
+    # Without its state until the update: the forward's activations and the
+    # optimizer state are never on the device at once.
+    groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
+    optimizer_copy = copy_optimizer(
+        optimizer, mapping, recipe.optimizer_factory, {"state": {}, "param_groups": groups}
+    )
     optimizer_copy.zero_grad(set_to_none=True)
     scaling = recipe.scaling
     scaler = copy_scaler(scaling.scaler, scaling.state) if scaling.mode == "dynamic" else None
     params = [p for group in optimizer_copy.param_groups for p in group["params"]]
-    return _Copies(model_copy, optimizer_copy, scaler, params, names, outside, mapping)
+    return _Copies(
+        model_copy, optimizer_copy, scaler, params, names, outside, mapping, room, optimizer
+    )
 
 
 @contextmanager
@@ -421,7 +432,12 @@ def _optimizer_stage(
     owner: Mapping[str, str],
     found_inf: bool,
 ) -> None:
-    before = [p.detach().clone() for p in copies.params]
+    state = copies.room.optimizer_state(copies.real_optimizer)
+    copies.optimizer.load_state_dict(
+        copy.deepcopy(copies.real_optimizer.state_dict()) if state is None else state
+    )
+    del state
+    before = [copies.room.keep(p) for p in copies.params]
     if copies.scaler is not None:
         copies.scaler.step(copies.optimizer)
         copies.scaler.update()
@@ -440,11 +456,12 @@ def _optimizer_stage(
             if isinstance(value, torch.Tensor):
                 name = f"opt/{copies.names[id(p)]}/{key}"
                 tensors.append((name, value, f"optimizer.state[p][{key!r}]"))
-    for p, old in zip(copies.params, before, strict=True):
-        new = p.detach()
+    for index, p in enumerate(copies.params):
+        new, old = p.detach(), before[index].to(p.device)
+        before[index] = None  # each update made, taken to host bytes and let go in turn
         if p.is_floating_point() and p.element_size() < 4:
             new, old = new.float(), old.float()
-        update = new - old
+        update = tensor_to_raw(new - old)
         tensors.append((f"update/{copies.names[id(p)]}", update, "param after step() minus before"))
     writer.observe(
         "optimizer",
@@ -472,7 +489,22 @@ def replay(
         for n, t in flatten(micro.batch, "")
     ]
     batch = batch_binding(batches)  # refuses a batch without tensors before any work
-    copies = _make_copies(model, optimizer, recipe)
+    with room_for_replay(model, optimizer, recipe.memory) as room:
+        # The copies live in the call's frame only: gone before the real state
+        # takes its room back.
+        return _replay_on_copies(model, optimizer, recipe, owner, room, batch, identity)
+
+
+def _replay_on_copies(
+    model: Any,
+    optimizer: Any,
+    recipe: StepRecipe,
+    owner: Mapping[str, str],
+    room: Room,
+    batch: dict[str, Any],
+    identity: Mapping[str, Any],
+) -> Replayed:
+    copies = _make_copies(model, optimizer, recipe, room)
     writer = BundleWriter(binding={}, **identity)
     scale = copies.scaler.get_scale() if copies.scaler is not None else 1.0
     forward = _forward_stages(writer, copies, recipe, owner)

@@ -45,6 +45,7 @@ from nanrunbook.capture.telemetry import (
     TelemetryFile,
     Thresholds,
 )
+from nanrunbook.capture.torch._offload import REPLAY_MEMORY, ReplayMemory
 from nanrunbook.capture.torch.binding import add_weight, heaviest
 from nanrunbook.capture.torch.copies import clone_batch, eager_module
 from nanrunbook.capture.torch.decide import STOP, Decisions
@@ -53,7 +54,13 @@ from nanrunbook.capture.torch.intercept import Intercepts
 from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
 from nanrunbook.capture.torch.recording import ExtremesSampler, leaf
 from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
-from nanrunbook.capture.torch.snapshot import Buffers, StateSnapshot, reset_scaler_step
+from nanrunbook.capture.torch.snapshot import (
+    SNAPSHOT_PLACES,
+    Buffers,
+    SnapshotPlace,
+    StateSnapshot,
+    reset_scaler_step,
+)
 from nanrunbook.capture.torch.steps import ClipCall, StepRecord
 
 __all__ = ["Policy", "Sentinel"]
@@ -107,7 +114,12 @@ class Sentinel(Decisions):
     consecutive skips). ``snapshot``: copy the parameters and the optimizer,
     scheduler and scaler state before each update, so that a non-finite update
     is rolled back (memory: one more copy of the parameters and of the
-    optimizer state). ``telemetry``: the JSON-lines file (default
+    optimizer state; ``True`` or ``"device"`` keeps it on the device,
+    ``"host"`` in pinned host memory, copied on a side stream). ``replay_memory``: where a hold's replay makes room on
+    the device: ``device`` (copies beside the real state), ``offload`` (the real
+    gradients and optimizer state on the host while it runs, put back bit for
+    bit) or ``auto`` (offload when the device's free memory is short; the
+    default path on the CPU). ``telemetry``: the JSON-lines file (default
     ``<incident_dir>/<run_id>/telemetry.jsonl``; False for none).
     ``generators``: the loop's own ``torch.Generator`` objects that the forward
     draws from; their states, numpy's and Python's random are taken before
@@ -133,7 +145,7 @@ class Sentinel(Decisions):
         loss_scale: float | None = None,
         policy: Policy = "hold",
         thresholds: Thresholds | None = None,
-        snapshot: bool = False,
+        snapshot: bool | SnapshotPlace = False,
         incident_dir: str | Path = "incident",
         telemetry: str | Path | Literal[False] | None = None,
         incident_owner: str = "ml-oncall",
@@ -141,10 +153,13 @@ class Sentinel(Decisions):
         process_group: Any = None,
         generators: Iterable[Any] = (),
         host_random: bool = True,
+        replay_memory: ReplayMemory = "auto",
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
             raise ValueError(f"policy is 'hold' or 'skip', not {policy!r}")
+        if replay_memory not in REPLAY_MEMORY:
+            raise ValueError(f"replay_memory is one of {REPLAY_MEMORY}, not {replay_memory!r}")
         self.facts = LoopFacts.of(
             run_id=run_id,
             incident_owner=incident_owner,
@@ -173,6 +188,7 @@ class Sentinel(Decisions):
             compute_loss=compute_loss,
             choose=modules or leaf,
             compiled=compiled,
+            memory=replay_memory,
         )
         self._local = self._local_gradients(model, process_group)
         self._setup_state(snapshot, telemetry)
@@ -189,7 +205,9 @@ class Sentinel(Decisions):
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup_state(self, snapshot: bool, telemetry: str | Path | Literal[False] | None) -> None:
+    def _setup_state(
+        self, snapshot: bool | SnapshotPlace, telemetry: str | Path | Literal[False] | None
+    ) -> None:
         self.last_known_good: dict[str, Any] = dict(self.facts.start)
         self.last_step = self.facts.start_step  # the last step decided
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -208,8 +226,17 @@ class Sentinel(Decisions):
         self._carry: list[Alert] = []  # warnings for the next line
         self._logged_codes: set[str] = set()
         self._early = EarlyWarnings(self.thresholds)
+        if snapshot not in (False, True, *SNAPSHOT_PLACES):
+            raise ValueError(f"snapshot is True, False, 'device' or 'host', not {snapshot!r}")
         self._snapshot = (
-            StateSnapshot(self.optimizer, self.scheduler, self.scaler) if snapshot else None
+            StateSnapshot(
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                "host" if snapshot == "host" else "device",
+            )
+            if snapshot
+            else None
         )
         self._telemetry = (
             None if telemetry is False else TelemetryFile(self._telemetry_path(telemetry))

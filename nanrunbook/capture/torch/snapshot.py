@@ -8,18 +8,25 @@ statistics (and any other buffer the forward writes) as they were.
 scheduler and GradScaler state, taken just before each update, so that a
 non-finite update found after ``step()`` is rolled back. It costs one copy of
 the parameters and of the optimizer state in memory (3x the parameters for
-Adam) and that much copying per step.
+Adam) and that much copying per step: on the device by default, or on the host
+(``where="host"``: pinned memory where CUDA is there, the copies made on a side
+stream that the update then waits for on the device, without a host sync; on
+the CPU it is the same memory either way).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["Buffers", "StateSnapshot"]
+__all__ = ["SNAPSHOT_PLACES", "Buffers", "SnapshotPlace", "StateSnapshot"]
+
+SnapshotPlace = Literal["device", "host"]
+SNAPSHOT_PLACES = ("device", "host")
 
 
 class Buffers:
@@ -55,11 +62,18 @@ class StateSnapshot:
     """Parameters, optimizer, scheduler and scaler state, copied into buffers that
     are allocated once and reused (no host synchronisation)."""
 
-    def __init__(self, optimizer: Any, scheduler: Any, scaler: Any) -> None:
+    def __init__(
+        self, optimizer: Any, scheduler: Any, scaler: Any, where: SnapshotPlace = "device"
+    ) -> None:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.where = where
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._params = [torch.empty_like(p) for p in self.params]
+        on_cuda = where == "host" and any(p.device.type == "cuda" for p in self.params)
+        self._pinned = on_cuda
+        self._stream: Any = torch.cuda.Stream() if on_cuda else None  # type: ignore[no-untyped-call]
+        self._params = [self._buffer_like(p) for p in self.params]
         self._state: list[dict[str, Any]] = [{} for _ in self.params]
+        self._devices: dict[tuple[str, int], Any] = {}  # (key, id of param) -> its device
         self._groups: list[dict[str, Any]] = []
         self._scheduler: dict[str, Any] | None = None
         self._scale: Any = None
@@ -71,13 +85,50 @@ class StateSnapshot:
         tensors = [*self._params, *(v for s in self._state for v in s.values())]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
-    def take(self) -> None:
+    def _buffer_like(self, tensor: Any) -> Any:
+        if self.where == "device":
+            return torch.empty_like(tensor)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
+
+    def _copy_into(self, buffer: Any, value: Any) -> Any:
+        """``value`` copied into ``buffer`` when it fits, else into a new one."""
+        if value is None:
+            return None
+        fits = (
+            isinstance(buffer, torch.Tensor)
+            and buffer.shape == value.shape
+            and buffer.dtype == value.dtype
+            and (self.where == "host" or buffer.device == value.device)
+        )
+        if not fits:
+            buffer = self._buffer_like(value)
         with torch.no_grad():
-            torch._foreach_copy_(self._params, [p.detach() for p in self.params])
+            buffer.copy_(value.detach(), non_blocking=self._pinned)
+        return buffer
+
+    def _side(self) -> AbstractContextManager[Any]:
+        if self._stream is None:
+            return nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream())  # the values are made
+        return torch.cuda.stream(self._stream)
+
+    def take(self) -> None:
+        with torch.no_grad(), self._side():
+            if self.where == "device":
+                torch._foreach_copy_(self._params, [p.detach() for p in self.params])
+            else:
+                for buffer, param in zip(self._params, self.params, strict=True):
+                    buffer.copy_(param.detach(), non_blocking=self._pinned)
             for index, param in enumerate(self.params):
-                self._state[index] = self._copy_state(
-                    self._state[index], self.optimizer.state.get(param, {})
-                )
+                live = self.optimizer.state.get(param, {})
+                self._state[index] = self._copy_state(self._state[index], live)
+                for key, value in live.items():
+                    if isinstance(value, torch.Tensor):
+                        self._devices[key, id(param)] = value.device
+        if self._stream is not None:
+            # The update writes what is being copied: it waits for the copies on
+            # the device (no host sync).
+            torch.cuda.current_stream().wait_stream(self._stream)
         self._groups = [
             {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
             for g in self.optimizer.param_groups
@@ -89,12 +140,11 @@ class StateSnapshot:
             self._tracker = _clone_into(self._tracker, self.scaler._growth_tracker)
         self.taken = True
 
-    @staticmethod
-    def _copy_state(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    def _copy_state(self, saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in live.items():
             out[key] = (
-                _clone_into(saved.get(key), value)
+                self._copy_into(saved.get(key), value)
                 if isinstance(value, torch.Tensor)
                 else copy.deepcopy(value)
             )
@@ -104,8 +154,14 @@ class StateSnapshot:
         """Write the snapshot back in place: the same tensor objects, their bits."""
         if not self.taken:
             raise RuntimeError("no snapshot was taken")
+        if self._stream is not None:
+            self._stream.synchronize()  # a hold: the copies must have landed
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self._params)
+            if self.where == "device":
+                torch._foreach_copy_([p.data for p in self.params], self._params)
+            else:
+                for param, buffer in zip(self.params, self._params, strict=True):
+                    param.data.copy_(buffer)
         for param, saved in zip(self.params, self._state, strict=True):
             live = self.optimizer.state.get(param, {})
             for key in [k for k in live if k not in saved]:
@@ -118,7 +174,11 @@ class StateSnapshot:
                     with torch.no_grad():
                         live[key].copy_(value)
                 else:
-                    live[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                    live[key] = (
+                        value.to(self._devices[key, id(param)], copy=True)
+                        if isinstance(value, torch.Tensor)
+                        else value
+                    )
             self.optimizer.state[param] = live
         for group, saved_group in zip(self.optimizer.param_groups, self._groups, strict=True):
             group.update(copy.deepcopy(saved_group))

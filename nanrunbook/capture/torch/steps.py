@@ -33,7 +33,7 @@ from nanrunbook.capture.torch.recording import ExtremesSampler
 from nanrunbook.capture.torch.replay import Clipping, MicroBatch
 from nanrunbook.capture.torch.snapshot import Buffers
 
-__all__ = ["ClipCall", "GradFindings", "StepRecord"]
+__all__ = ["ClipCall", "GradFindings", "StepRecord", "update_extremes"]
 
 
 @dataclass
@@ -208,10 +208,7 @@ class StepRecord:
             self.updated = params
             self.update_flag = nonfinite_flag([p.detach() for p in params])
             if before is not None:
-                deltas = [
-                    p.detach().float() - b.float() for p, b in zip(params, before, strict=True)
-                ]
-                self.update_max = max_rows(deltas)
+                self.update_max = update_extremes(params, before)
 
     def pack_update(self, readout: Readout) -> None:
         readout.add("update_flag", self.update_flag)
@@ -235,6 +232,20 @@ class StepRecord:
             max_abs=max_abs,
         )
         return not (self.update.nan or self.update.posinf or self.update.neginf)
+
+
+def update_extremes(params: list[Any], before: list[Any]) -> tuple[list[str], Any]:
+    """The update's largest magnitude, as :func:`max_rows` gives it for the float32
+    deltas (one ``F32`` row), but with one parameter's delta alive at a time: the
+    extra memory is that of the largest parameter, not of them all in float32."""
+    maxima = [
+        (p.detach().float() - b.float()).abs().amax()
+        for p, b in zip(params, before, strict=True)
+        if p.is_floating_point() and p.numel()
+    ]
+    if not maxima:
+        return [], torch.zeros(0)
+    return ["F32"], torch.stack(maxima).amax().reshape(1)
 
 
 def grad_probe(
