@@ -118,6 +118,9 @@ _count = st.integers(0, 2**40)
     skipped=st.booleans(),
     held=st.booleans(),
     with_update=st.booleans(),
+    weight_norm=_maybe,
+    output_max=_maybe,
+    output_nonfinite=st.booleans(),
 )
 def test_every_sentinel_line_reads_back_with_the_watch_parser(
     loss: float,
@@ -128,10 +131,14 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     skipped: bool,
     held: bool,
     with_update: bool,
+    weight_norm: float | None,
+    output_max: float | None,
+    output_nonfinite: bool,
 ) -> None:
     import orjson
 
     from nanrunbook.capture.telemetry import (
+        Activations,
         GradTelemetry,
         StepTelemetry,
         UpdateTelemetry,
@@ -158,12 +165,24 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
         skipped=skipped,
         held=held,
         bundle=None,
+        weight_norm=weight_norm,
+        output=None
+        if output_max is None
+        else Activations(
+            output_max if math.isfinite(output_max) else None,
+            "output" if math.isfinite(output_max) else None,
+            "F16",
+            headroom_bits(output_max, "F16"),
+            ("output",) if output_nonfinite else (),
+        ),
     ).line()
     document = orjson.loads(orjson.dumps(line))
     assert document["format"] == TELEMETRY_FORMAT
     record = parse_record(document)
     assert record.step == 7 and record.held is held and record.skipped is skipped
     assert record.loss_class == line["loss_class"]
+    assert record.weight_norm == document["weight_norm"]
+    assert (record.output is None) is (output_max is None)
     # The reader writes back exactly the fields the writer put in the fixed shape.
     fixed = record_document(record)
     assert {k: v for k, v in document.items() if k in fixed} == fixed
