@@ -97,11 +97,17 @@ class Rise:
     began: int  # the step the rise began (the first of the rising run)
 
     def describe(self, signal: str) -> str:
+        spread = (
+            f"{self.mads:.3g} MADs above the median {self.median:.4g} of {self.seen} steps"
+            " (MAD of its step-to-step change)"
+            if math.isfinite(self.mads)
+            else f"above the median {self.median:.4g} of {self.seen} steps, which moved"
+            " by no MAD from step to step"
+        )
         return (
             f"{signal} {self.value:.4g} is {self.value / self.minimum:.3g}x its running"
-            f" minimum {self.minimum:.4g} (step {self.minimum_step}) and {self.mads:.3g}"
-            f" MADs above the median {self.median:.4g} of {self.seen} steps (MAD of its"
-            f" step-to-step change); rising since step {self.began}"
+            f" minimum {self.minimum:.4g} (step {self.minimum_step}) and {spread};"
+            f" rising since step {self.began}"
         )
 
 
