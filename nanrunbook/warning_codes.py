@@ -32,6 +32,23 @@ WARNING_CODES = MappingProxyType(
         "GRAD_NORM_SPIKE": (
             "the gradient norm is above a multiple of the median of the recent window"
         ),
+        # Divergence from the first few steps (nanrunbook.telemetry._early): the
+        # sentinel's lines carry them; watch derives them again from the series.
+        "LOSS_DIVERGENCE": (
+            "the loss is several times its running minimum and far above its median"
+            " (in MADs) of the steps seen so far"
+        ),
+        "GRAD_NORM_DIVERGENCE": (
+            "the gradient norm is several times its running minimum and far above its"
+            " median (in MADs) of the steps seen so far"
+        ),
+        "WEIGHT_NORM_GROWTH": (
+            "the parameters' L2 norm is several times its running minimum and far above"
+            " its median (in MADs) of the steps seen so far"
+        ),
+        "GRAD_NORM_OVERFLOW": (
+            "the gradient norm overflows float32 while every gradient is finite"
+        ),
         "LOSS_SCALE_BACKOFF_STREAK": "the dynamic loss scale backed off several steps in a row",
         "LOSS_SCALE_BELOW_FLOOR": "the dynamic loss scale fell below the floor",
         "SKIPPED_UPDATE_STREAK": "several consecutive steps were skipped without an update",

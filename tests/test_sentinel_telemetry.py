@@ -120,6 +120,9 @@ _count = st.integers(0, 2**40)
     held=st.booleans(),
     with_update=st.booleans(),
     headroom_from=st.none() | st.sampled_from(["max_abs", "tensor_norm", "total_norm"]),
+    weight_norm=_maybe,
+    output_max=_maybe,
+    output_nonfinite=st.booleans(),
 )
 def test_every_sentinel_line_reads_back_with_the_watch_parser(
     loss: float,
@@ -131,10 +134,14 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     held: bool,
     with_update: bool,
     headroom_from: Any,
+    weight_norm: float | None,
+    output_max: float | None,
+    output_nonfinite: bool,
 ) -> None:
     import orjson
 
     from nanrunbook.capture.telemetry import (
+        Activations,
         GradTelemetry,
         StepTelemetry,
         UpdateTelemetry,
@@ -168,6 +175,16 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
         held=held,
         bundle=None,
         grad_headroom_from=headroom_from,
+        weight_norm=weight_norm,
+        output=None
+        if output_max is None
+        else Activations(
+            output_max if math.isfinite(output_max) else None,
+            "output" if math.isfinite(output_max) else None,
+            "F16",
+            headroom_bits(output_max, "F16"),
+            ("output",) if output_nonfinite else (),
+        ),
     ).line()
     raw = orjson.dumps(line)
     document = orjson.loads(raw)
@@ -175,11 +192,14 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     record = parse_record(document)
     assert record.step == 7 and record.held is held and record.skipped is skipped
     assert record.loss_class == line["loss_class"]
+    assert record.weight_norm == document["weight_norm"]
+    assert (record.output is None) is (output_max is None)
     # The reader writes back exactly the fields the writer put in the fixed shape.
     fixed = record_document(record)
     assert {k: v for k, v in document.items() if k in fixed} == fixed
-    # The appended field: last on the line, read by both parsers, one vocabulary.
-    assert list(document)[-1] == "grad_headroom_from"
+    # The appended fields: last on the line in the order they were added, read by
+    # both parsers, one vocabulary.
+    assert list(document)[-3:] == ["grad_headroom_from", "weight_norm", "output"]
     assert record.grad_headroom_from == headroom_from
     assert set(HEADROOM_SOURCES) == {"max_abs", "tensor_norm", "total_norm"}
     fast = common_line(raw)

@@ -20,6 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 # The line's format and its headroom arithmetic have one home, beside the reader.
+from nanrunbook.telemetry._early import (
+    DEFAULT_LIMITS,
+    SIGNALS,
+    Divergence,
+    DivergenceLimits,
+    float32_norm_overflow,
+)
 from nanrunbook.telemetry.record import TELEMETRY_FORMAT, headroom_bits
 from nanrunbook.warning_codes import WARNING_CODES
 
@@ -35,10 +42,12 @@ __all__ = [
     "TelemetryFile",
     "Thresholds",
     "UpdateTelemetry",
+    "divergence_alerts",
     "headroom_bits",
     "loss_class",
     "magnitude_alerts",
     "mean_loss",
+    "norm_overflow_alerts",
 ]
 
 log = logging.getLogger("nanrunbook.sentinel")
@@ -119,6 +128,10 @@ class StepTelemetry:
     activations: Activations | None = None
     lr: float | None = None
     grad_headroom_from: HeadroomSource | None = None
+    # Appended (early warnings): the updated parameters' L2 norm; the model's
+    # reduced-precision output extreme, read every step.
+    weight_norm: float | None = None
+    output: Activations | None = None
 
     def line(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": TELEMETRY_FORMAT}
@@ -232,6 +245,15 @@ class Thresholds:
     and that hold. ``scale_floor``: hold when the dynamic scale would fall below
     it. ``skip_warn``/``skip_hold``: consecutive skipped updates that warn and,
     under the ``skip`` policy, that hold.
+
+    From the first few steps (``nanrunbook.telemetry._early``): LOSS_DIVERGENCE,
+    GRAD_NORM_DIVERGENCE and WEIGHT_NORM_GROWTH when the signal is ``*_ratio``
+    times its running minimum and ``divergence_mads`` scaled MADs above its
+    median, after ``loss_min_steps`` (the loss) or ``divergence_min_steps``
+    (the norms) values. ``watch_output_bits``: under
+    reduced-precision autocast the model's output extreme is read every step
+    (NEAR_DTYPE_MAX below 1 bit of headroom, AT_DTYPE_MAX at 0); below this
+    many bits the next steps sample every chosen module until it is back.
     """
 
     sample_every: int = 100
@@ -243,6 +265,13 @@ class Thresholds:
     scale_floor: float = 1.0
     skip_warn: int = 3
     skip_hold: int = 10
+    loss_ratio: float = DEFAULT_LIMITS["loss"].ratio
+    grad_norm_ratio: float = DEFAULT_LIMITS["grad_norm"].ratio
+    weight_norm_ratio: float = DEFAULT_LIMITS["weight_norm"].ratio
+    loss_min_steps: int = DEFAULT_LIMITS["loss"].min_steps
+    divergence_mads: float = DEFAULT_LIMITS["loss"].mads
+    divergence_min_steps: int = DEFAULT_LIMITS["grad_norm"].min_steps
+    watch_output_bits: float = 2.0
 
     def __post_init__(self) -> None:
         counts = ("sample_every", "spike_window", "spike_history")
@@ -255,17 +284,42 @@ class Thresholds:
             raise ValueError("spike_ratio must be a finite number > 1")
         if not self.scale_floor > 0 or not math.isfinite(self.scale_floor):
             raise ValueError("scale_floor must be a finite number > 0")
+        self.divergence_limits()  # the limits check the divergence fields
+        if not self.watch_output_bits >= 0 or not math.isfinite(self.watch_output_bits):
+            raise ValueError("watch_output_bits must be a finite number >= 0")
+
+    def divergence_limits(self) -> dict[str, DivergenceLimits]:
+        """Per signal (loss, grad_norm, weight_norm), the limits of its detector."""
+        ratios = {
+            "loss": self.loss_ratio,
+            "grad_norm": self.grad_norm_ratio,
+            "weight_norm": self.weight_norm_ratio,
+        }
+        return {
+            signal: DivergenceLimits(
+                ratio,
+                self.divergence_mads,
+                self.loss_min_steps if signal == "loss" else self.divergence_min_steps,
+            )
+            for signal, ratio in ratios.items()
+        }
 
 
 @dataclass
 class EarlyWarnings:
-    """The state behind the sentinel's warnings: the recent gradient norms and
-    the current streaks of scaler backoffs and skipped updates."""
+    """The state behind the sentinel's warnings: the recent gradient norms, the
+    current streaks of scaler backoffs and skipped updates, and the divergence
+    detectors of the loss, gradient norm and weight norm."""
 
     thresholds: Thresholds
     norms: deque[float] = field(default_factory=deque)
     backoffs: int = 0
     skips: int = 0
+    divergence: dict[str, Divergence] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        limits = self.thresholds.divergence_limits()
+        self.divergence = {signal: Divergence(limit) for signal, limit in limits.items()}
 
     def gradient_norm(self, norm: float | None) -> list[Alert]:
         """A robust running statistic, not a frozen early maximum: the median of
@@ -320,6 +374,26 @@ class EarlyWarnings:
                 f"{self.skips} consecutive steps were skipped without an update",
             )
         ]
+
+
+# ----------------------------------------------- divergence from the first steps
+
+
+def divergence_alerts(
+    early: EarlyWarnings, signal: str, step: int, value: float | None
+) -> list[Alert]:
+    """Feed ``value`` (the step's loss, gradient norm or weight norm) to its
+    detector; the warning, when it rises too far."""
+    rise = early.divergence[signal].add(step, value)
+    if rise is None:
+        return []
+    code, name = SIGNALS[signal]
+    return [Alert(code, rise.describe(name))]
+
+
+def norm_overflow_alerts(max_abs: float | None) -> list[Alert]:
+    """GRAD_NORM_OVERFLOW: finite gradients whose float32 norm overflowed."""
+    return [Alert("GRAD_NORM_OVERFLOW", float32_norm_overflow(max_abs))]
 
 
 def magnitude_alerts(what: str, values: Iterable[tuple[float | None, str | None]]) -> list[Alert]:

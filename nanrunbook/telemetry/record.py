@@ -14,14 +14,21 @@ once per training step (and per rank), with these fields in this order::
      "update": {"nan": int, "posinf": int, "neginf": int, "max_abs": float | null}
                | null,
      "scale": float | null, "found_inf": bool | null, "skipped": bool,
-     "held": bool, "warnings": [{"code": str, "message": str}], "bundle": str | null}
+     "held": bool, "warnings": [{"code": str, "message": str}], "bundle": str | null,
+     "activations": {...} | null, "lr": float | null,
+     "grad_headroom_from": "max_abs" | "tensor_norm" | "total_norm" | null,
+     "weight_norm": float | null,
+     "output": {"max_abs": float | null, "where": str | null, "dtype": str | null,
+                "headroom_bits": float | null, "nonfinite": [str]} | null}
 
 The sentinel appends ``activations`` and ``lr`` (which this reader leaves to the
 line) and ``grad_headroom_from``: ``"max_abs"`` when grad.headroom_bits is exact
 (from the measured max abs), ``"tensor_norm"`` when it is a lower bound from the
 largest per-tensor L2 norm, ``"total_norm"`` when a lower bound from the total
 norm clipping computed (|g_i| <= ||g||), null when there is no headroom (or the
-writer is older).
+writer is older). ``weight_norm`` (the updated parameters' L2 norm) and
+``output`` (the model's reduced-precision output extreme, every step) were
+appended after it for the early warnings; a line without them reads as null.
 
 Fields may be added only at the end; a reader ignores keys it does not know, so a
 newer writer's lines still read. A warning code is an upper-case identifier
@@ -48,6 +55,7 @@ __all__ = [
     "TELEMETRY_FORMAT",
     "CommonLine",
     "GradientStats",
+    "OutputStats",
     "TelemetryLineError",
     "TelemetryRecord",
     "TelemetryWarning",
@@ -107,6 +115,17 @@ class UpdateStats:
 
 
 @dataclass(frozen=True)
+class OutputStats:
+    """The model's reduced-precision output at one step: its largest finite
+    magnitude, dtype and headroom, and whether an output held a NaN or infinity."""
+
+    max_abs: float | None
+    dtype: str | None
+    headroom_bits: float | None
+    nonfinite: bool
+
+
+@dataclass(frozen=True)
 class TelemetryRecord:
     """One step of one rank, as the sentinel saw it."""
 
@@ -126,6 +145,8 @@ class TelemetryRecord:
     warnings: tuple[TelemetryWarning, ...]
     bundle: str | None
     grad_headroom_from: str | None = None  # one of HEADROOM_SOURCES
+    weight_norm: float | None = None
+    output: OutputStats | None = None
 
     @property
     def overflow_absorbed(self) -> bool:
@@ -184,6 +205,7 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
     """The record as its JSON object, fields in the format's order."""
     grad = record.grad
     update = record.update
+    output = record.output
     return {
         "format": TELEMETRY_FORMAT,
         "run_id": record.run_id,
@@ -216,7 +238,20 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
         "held": record.held,
         "warnings": [{"code": w.code, "message": w.message} for w in record.warnings],
         "bundle": record.bundle,
+        # (The sentinel's activations and lr come between: this reader keeps neither.)
         "grad_headroom_from": record.grad_headroom_from,
+        "weight_norm": record.weight_norm,
+        "output": None if output is None else _output_document(output),
+    }
+
+
+def _output_document(output: OutputStats) -> dict[str, Any]:
+    return {
+        "max_abs": output.max_abs,
+        "where": None if output.max_abs is None else "output",
+        "dtype": output.dtype,
+        "headroom_bits": output.headroom_bits,
+        "nonfinite": ["output"] if output.nonfinite else [],
     }
 
 
@@ -240,6 +275,9 @@ def _check_finite_numbers(record: TelemetryRecord) -> None:
         "grad.norm": record.grad.norm,
         "update.max_abs": None if update is None else update.max_abs,
         "scale": record.scale,
+        "weight_norm": record.weight_norm,
+        "output.max_abs": None if record.output is None else record.output.max_abs,
+        "output.headroom_bits": None if record.output is None else record.output.headroom_bits,
     }
     for name, value in numbers.items():
         if value is not None and not math.isfinite(value):
@@ -388,6 +426,8 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         )
         bundle, warnings, loss_class = d["bundle"], d["warnings"], d["loss_class"]
         headroom_from = d.get("grad_headroom_from")
+        if d.get("weight_norm") is not None or d.get("output") is not None:
+            return None  # the appended early-warning fields: read by _checked_record
         nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
         dtype, headroom, norm = g["dtype"], g["headroom_bits"], g["norm"]
     except (KeyError, TypeError):
@@ -423,6 +463,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         "loss": loss, "loss_class": "finite", "grad": grad, "update": update, "scale": scale,
         "found_inf": found_inf, "skipped": skipped, "held": held, "warnings": (), "bundle": bundle,
         "grad_headroom_from": headroom_from,
+        "weight_norm": None, "output": None,
     })  # fmt: skip
 
 
@@ -490,6 +531,14 @@ class CommonUpdate(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     max_abs: float | None
 
 
+class CommonOutput(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    max_abs: float | None
+    where: Literal["output"] | None
+    dtype: _Name | None
+    headroom_bits: float | None
+    nonfinite: tuple[()]
+
+
 class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An uneventful line, decoded by :data:`COMMON_LINE` (rank < world_size is
     still to be checked: msgspec does not relate two fields)."""
@@ -515,6 +564,8 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     activations: None = None
     lr: float | None = None
     grad_headroom_from: Literal["max_abs", "tensor_norm", "total_norm"] | None = None
+    weight_norm: float | None = None
+    output: CommonOutput | None = None
 
 
 COMMON_LINE = msgspec.json.Decoder(CommonLine)
@@ -568,4 +619,25 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
         _warnings(document.get("warnings")),
         bundle,
         headroom_from,
+        _number(document, "weight_norm") if "weight_norm" in document else None,
+        _output(document.get("output")),
     )
+
+
+def _output(document: Any) -> OutputStats | None:
+    """The appended ``output`` object (null or absent: None)."""
+    if document is None:
+        return None
+    if type(document) is not dict:
+        raise _invalid("output", "expected an object or null")
+    dtype = document.get("dtype")
+    if dtype is not None and (type(dtype) is not str or not 0 < len(dtype) <= 32):
+        raise _invalid("output.dtype", "expected a dtype name or null")
+    nonfinite = document.get("nonfinite", [])
+    if type(nonfinite) is not list or not all(type(n) is str for n in nonfinite):
+        raise _invalid("output.nonfinite", "expected a list of names")
+    max_abs = _number(document, "max_abs", where="output.") if "max_abs" in document else None
+    bits = (
+        _number(document, "headroom_bits", where="output.") if "headroom_bits" in document else None
+    )
+    return OutputStats(max_abs, dtype, bits, bool(nonfinite))

@@ -19,7 +19,12 @@ documented in nanrunbook(1), WATCH):
   the same: AT_DTYPE_MAX (headroom 0 bits), NEAR_DTYPE_MAX (below 1 bit), and
   HEADROOM_FALLING (the least-squares trend of the last ``window`` records'
   headroom reaches 0 bits within ``window`` steps and has fallen at least 4
-  bits over the window).
+  bits over the window); NEAR_DTYPE_MAX and AT_DTYPE_MAX of the model's output
+  (the ``output`` field), too;
+* LOSS_DIVERGENCE, GRAD_NORM_DIVERGENCE and WEIGHT_NORM_GROWTH, per rank, by
+  the sentinel's own rule and default limits (``nanrunbook.telemetry._early``),
+  from the loss, ``grad.norm`` and ``weight_norm`` series, where the lines
+  lack them (a file from an older sentinel gets them too).
 """
 
 from __future__ import annotations
@@ -32,8 +37,15 @@ from typing import Literal, cast
 import orjson
 
 from nanrunbook.exits import Exit
+from nanrunbook.telemetry._early import DEFAULT_LIMITS, SIGNALS, Divergence
 from nanrunbook.telemetry.reader import BadLine, IncompleteLine
-from nanrunbook.telemetry.record import CommonLine, TelemetryRecord, headroom_bits, parse_record
+from nanrunbook.telemetry.record import (
+    CommonLine,
+    CommonOutput,
+    TelemetryRecord,
+    headroom_bits,
+    parse_record,
+)
 from nanrunbook.telemetry.series import Downsampler, SeriesBucket
 from nanrunbook.telemetry.trend import SlidingTrend
 
@@ -64,7 +76,14 @@ MESSAGE_KEPT = 300  # characters of a warning's first message
 
 Source = Literal["telemetry", "watch"]
 # The warning codes the summariser derives itself (nanrunbook.warning_codes).
-DERIVED_CODES = ("AT_DTYPE_MAX", "NEAR_DTYPE_MAX", "HEADROOM_FALLING")
+DERIVED_CODES = (
+    "AT_DTYPE_MAX",
+    "NEAR_DTYPE_MAX",
+    "HEADROOM_FALLING",
+    "LOSS_DIVERGENCE",  # these three: SIGNALS' codes
+    "GRAD_NORM_DIVERGENCE",
+    "WEIGHT_NORM_GROWTH",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +287,12 @@ class _Tally:
 class _Rank:
     """What one rank's previous records leave for the next one."""
 
-    __slots__ = ("backoffs", "dtype", "falling", "scale", "skips", "step", "trend")
+    __slots__ = (
+        "backoffs", "divergence", "dtype", "falling", "scale", "skips", "step", "trend",
+    )  # fmt: skip
 
     def __init__(self, window: int) -> None:
+        self.divergence = {signal: Divergence(DEFAULT_LIMITS[signal]) for signal in SIGNALS}
         self.step: int | None = None
         self.scale: float | None = None
         self.skips = _Run()
@@ -287,6 +309,15 @@ _RUN_ID, _BUNDLE, _LOSS, _GRAD = (attrgetter(n) for n in ("run_id", "bundle", "l
 _HEADROOM, _MAX_ABS = attrgetter("headroom_bits"), attrgetter("max_abs")
 # What a headroom that is a lower bound was taken from (grad_headroom_from).
 _BOUNDS = {"tensor_norm": "largest per-tensor L2 norm", "total_norm": "total gradient norm"}
+_NORM, _WEIGHT_NORM, _OUTPUT = (attrgetter(n) for n in ("norm", "weight_norm", "output"))
+
+
+def _output_plain(output: CommonOutput) -> bool:
+    """An output extreme with at least 1 bit of headroom: nothing to warn about."""
+    bits = output.headroom_bits
+    if bits is None:
+        bits = headroom_bits(output.max_abs, output.dtype)
+    return bits is None or bits >= 1.0
 
 
 def _never_falls(scales: list[float | None], known: bool) -> bool:
@@ -303,7 +334,7 @@ def _never_falls(scales: list[float | None], known: bool) -> bool:
 class _Columns:
     """A run of uneventful lines, column by column (built once, by map in C)."""
 
-    __slots__ = ("bits", "grads", "scales", "steps", "world")
+    __slots__ = ("bits", "grads", "scales", "signals", "steps", "world")
 
     def __init__(self, lines: list[CommonLine], world: int) -> None:
         self.world = world
@@ -311,6 +342,12 @@ class _Columns:
         self.scales: list[float | None] = list(map(_SCALE, lines))
         self.grads = list(map(_GRAD, lines))
         self.bits: list[float | None] = list(map(_HEADROOM, self.grads))
+        # The divergence detectors' series, in SIGNALS' order.
+        self.signals: tuple[list[float | None], ...] = (
+            list(map(_LOSS, lines)),
+            list(map(_NORM, self.grads)),
+            list(map(_WEIGHT_NORM, lines)),
+        )
 
     def steps_rise(self) -> bool:
         steps = self.steps
@@ -377,6 +414,7 @@ class Summariser:
         for warning in record.warnings:
             self._warn(warning.code, step, warning.message, "telemetry", events)
         bits = self._derived_warnings(record, state, events)
+        self._divergence(record, state, events)
         grad = record.grad
         self._series.add(
             step,
@@ -409,6 +447,14 @@ class Summariser:
         bits = headroom if headroom is not None else headroom_bits(grad.max_abs, grad.dtype)
         if state is None or (bits is not None and bits < 1.0) or rank >= line.world_size:
             return False
+        signals = (line.loss, grad.norm, line.weight_norm)
+        detectors = state.divergence.values()
+        if not all(d.cannot_warn([v]) for d, v in zip(detectors, signals, strict=True)):
+            return False
+        if line.output is not None and not _output_plain(line.output):
+            return False
+        for detector, value in zip(detectors, signals, strict=True):
+            detector.add(step, value)
         self.records += 1
         if line.run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
             self._run_ids[line.run_id] = None
@@ -441,6 +487,8 @@ class Summariser:
         if state is None or run is None:
             return False
         self.records += len(lines)
+        for detector, values in zip(state.divergence.values(), run.signals, strict=True):
+            detector.extend(run.steps, values)
         for run_id in dict.fromkeys(map(_RUN_ID, lines)):
             if run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
                 self._run_ids[run_id] = None
@@ -493,6 +541,12 @@ class Summariser:
             return None
         run = _Columns(lines, max(worlds))
         if not _never_falls(run.scales, self._scale is not None) or not run.steps_rise():
+            return None
+        detectors = state.divergence.values()
+        if not all(d.cannot_warn(v) for d, v in zip(detectors, run.signals, strict=True)):
+            return None  # some line may warn: add_line says which
+        outputs = [o for o in map(_OUTPUT, lines) if o is not None]
+        if not all(map(_output_plain, outputs)):
             return None
         bits = run.bits
         if None in bits:
@@ -622,6 +676,29 @@ class Summariser:
                 self._warn(code, step, message, "watch", events)
         self._trend(state, step, bits, dtype, events)
         return bits
+
+    def _divergence(self, record: TelemetryRecord, state: _Rank, events: list[WatchEvent]) -> None:
+        """The sentinel's divergence rule on this rank's series, and the model
+        output's headroom, where the line does not carry the warning itself."""
+        step, carried = record.step, {w.code for w in record.warnings}
+        values = (record.loss, record.grad.norm, record.weight_norm)
+        for (signal, detector), value in zip(state.divergence.items(), values, strict=True):
+            rise = detector.add(step, value)
+            code, name = SIGNALS[signal]
+            if rise is not None and code not in carried:
+                self._warn(code, step, rise.describe(name), "watch", events)
+        output = record.output
+        bits = None if output is None else output.headroom_bits
+        if output is not None and bits is None:
+            bits = headroom_bits(output.max_abs, output.dtype)
+        if output is not None and bits is not None and bits < 1.0:
+            code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
+            if code not in carried:
+                message = (
+                    f"model output max abs {output.max_abs:.6g} is {bits:.2f} bits below"
+                    f" the {output.dtype} max"
+                )
+                self._warn(code, step, message, "watch", events)
 
     def _trend(
         self, state: _Rank, step: int, bits: float, dtype: str, events: list[WatchEvent] | None

@@ -25,8 +25,10 @@ from nanrunbook.capture.telemetry import (
     StepTelemetry,
     TelemetryFile,
     Thresholds,
+    divergence_alerts,
     headroom_bits,
     magnitude_alerts,
+    norm_overflow_alerts,
 )
 from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients, joined
 from nanrunbook.capture.torch.convert import safetensors_dtype
@@ -69,6 +71,7 @@ class Decisions:
     _telemetry: TelemetryFile | None
     _carry: list[Alert]
     _logged_codes: set[str]
+    _sample_next: bool
 
     # ------------------------------------------------------------- the read
 
@@ -92,6 +95,8 @@ class Decisions:
             readout.add("vote", vote)
         values = readout.read()
         update_ok = previous.read_update(values) if previous is not None else True
+        if previous is not None and update_ok:
+            self._weights(previous)
         # A step run on a non-finite update is discarded: no exact count for it.
         self._read_step(step, values, grads, count=update_ok)
         outcome = self._outcome(step, update_ok)
@@ -129,6 +134,7 @@ class Decisions:
             flags.append(local)
         step.pack_losses(readout)
         flags += step.losses
+        step.pack_outputs(readout)
         if self.scaler is not None:
             readout.add("scale", self.scaler._get_scale_async())
         step.sampled_names = step.pack_sampled(readout, grads) if step.sampler else []
@@ -179,9 +185,32 @@ class Decisions:
             ]
         if findings.counts and findings.tripped and not findings.nonfinite:
             findings.tripped = False  # finite values whose squares overflowed
+            top = max((c.max_abs for c in findings.counts if c.max_abs is not None), default=None)
+            step.warnings += norm_overflow_alerts(top)
         step.grads = findings
         step.read_activations(values)
         step.warnings += magnitude_alerts("activations (sampled)", step.activation_extremes(values))
+        self._read_outputs(step, values)
+
+    def _read_outputs(self, step: StepRecord, values: dict[str, list[float]]) -> None:
+        """The model's reduced-precision output, read every step: its headroom
+        warns, and while it is low every step is sampled."""
+        step.read_outputs(values)
+        output = step.output
+        if output is None:
+            self._sample_next = False
+            return
+        step.warnings += magnitude_alerts("model output", [(output.max_abs, output.dtype)])
+        bits = output.headroom_bits
+        self._sample_next = bool(output.nonfinite) or (
+            bits is not None and bits < self.thresholds.watch_output_bits
+        )
+
+    def _weights(self, previous: StepRecord) -> None:
+        """The weight norm the previous update left (its flag), into its detector."""
+        previous.warnings += divergence_alerts(
+            self._early, "weight_norm", previous.number, previous.weight_norm
+        )
 
     # ---------------------------------------------------------- the outcome
 
@@ -226,6 +255,7 @@ class Decisions:
         return Outcome("probe", counts, "backward")
 
     def _apply(self, step: StepRecord, outcome: Outcome) -> bool:
+        step.warnings += divergence_alerts(self._early, "loss", step.number, step.loss)
         if outcome.kind == "healthy":
             return self._healthy(step)
         if self.scaler is not None and step.scale is not None and step.grads.found_inf:
@@ -241,6 +271,7 @@ class Decisions:
     def _healthy(self, step: StepRecord) -> bool:
         grads = step.grads
         step.warnings += self._early.gradient_norm(grads.norm)
+        step.warnings += divergence_alerts(self._early, "grad_norm", step.number, grads.norm)
         step.warnings += magnitude_alerts("gradients", [(c.max_abs, c.dtype) for c in grads.counts])
         if step.scale is not None and self.scaler is not None:
             step.warnings += self._early.scaler(False, step.scale, step.scale)
@@ -319,6 +350,7 @@ class Decisions:
         readout = Readout()
         previous.pack_update(readout)
         if previous.read_update(readout.read()):
+            self._weights(previous)
             self._finish(previous)
             return
         reason = f"checkpoint {checkpointing} was saved after it" if checkpointing else ""
@@ -417,6 +449,8 @@ class Decisions:
             activations=step.activations,
             lr=step.lr,
             grad_headroom_from=step.grads.headroom_from(grad),
+            weight_norm=step.weight_norm,
+            output=step.output,
         )
         self._telemetry.append(record)
 

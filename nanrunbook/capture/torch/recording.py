@@ -21,7 +21,7 @@ from nanrunbook.capture.torch.binding import add_weight
 from nanrunbook.capture.torch.convert import safetensors_dtype, tensor_to_raw
 from nanrunbook.capture.torch.copies import flatten
 
-__all__ = ["ExtremesSampler", "ForwardCapture", "leaf", "probe"]
+__all__ = ["ExtremesSampler", "ForwardCapture", "OutputExtremes", "leaf", "probe"]
 
 T = TypeVar("T")
 Sink = Callable[[str, Any], None]
@@ -129,3 +129,34 @@ class ExtremesSampler(_Observer):
             self.values.append(tensor.detach().abs().amax().float())
         self.names.append(name)
         self.dtypes.append(dtype)
+
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+class OutputExtremes:
+    """Every step, the largest magnitude of the model's floating outputs in a
+    reduced precision (float16, bfloat16: autocast's), kept on the device for
+    the step's one read: one ``amax`` per output, a hook on the root module
+    only, so activations creeping to the dtype's max are seen between sampled
+    steps. Outputs in float32 cost a dtype check."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.dtypes: list[str] = []
+        self.values: list[Any] = []
+
+    def _hook(self, module: Any, inputs: Any, output: Any) -> None:
+        for _, tensor in flatten(output, ""):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype in _REDUCED and tensor.numel():
+                with torch.no_grad():
+                    self.values.append(tensor.detach().abs().amax().float())
+                self.dtypes.append(str(safetensors_dtype(tensor.dtype)))
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        handle = self._model.register_forward_hook(self._hook)
+        try:
+            yield
+        finally:
+            handle.remove()

@@ -52,7 +52,7 @@ from nanrunbook.capture.torch.decide import STOP, Decisions
 from nanrunbook.capture.torch.evidence import StepObjects
 from nanrunbook.capture.torch.intercept import Intercepts
 from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
-from nanrunbook.capture.torch.recording import ExtremesSampler, leaf
+from nanrunbook.capture.torch.recording import ExtremesSampler, OutputExtremes, leaf
 from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
 from nanrunbook.capture.torch.snapshot import (
     SNAPSHOT_PLACES,
@@ -228,6 +228,7 @@ class Sentinel(Decisions):
         self._early = EarlyWarnings(self.thresholds)
         if snapshot not in (False, True, *SNAPSHOT_PLACES):
             raise ValueError(f"snapshot is True, False, 'device' or 'host', not {snapshot!r}")
+        self._sample_next = False  # the output's headroom is below watch_output_bits
         self._snapshot = (
             StateSnapshot(
                 self.optimizer,
@@ -282,7 +283,9 @@ class Sentinel(Decisions):
         # the input stage need the batch as given.
         rng = RngState.now(self.generators, taken_live=True, host=self.host_random)
         micro = MicroBatch(clone_batch(batch), rng, Autocast.now())
-        with step.sampler.hooked() if step.sampler is not None else nullcontext():
+        sampling = step.sampler.hooked() if step.sampler is not None else nullcontext()
+        outputs = step.outputs.hooked() if step.outputs is not None else nullcontext()
+        with sampling, outputs:
             loss = self.compute_loss(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -427,11 +430,13 @@ class Sentinel(Decisions):
         self._skip_update = self._skip_scheduler = False
         number = self.last_step + 1
         every = self.thresholds.sample_every
-        sampled = every > 0 and number % every == 0
+        # Every step while the output's headroom is low (read at the last step).
+        sampled = every > 0 and (number % every == 0 or self._sample_next)
         self._step = StepRecord(
             number=number,
             time=time.time(),
             buffers=Buffers(self.model),
             sampler=ExtremesSampler(self.model, self.objects.choose) if sampled else None,
+            outputs=OutputExtremes(self.objects.model),
         )
         return self._step

@@ -29,7 +29,7 @@ from nanrunbook.capture.torch.checks import (
     max_rows,
     nonfinite_flag,
 )
-from nanrunbook.capture.torch.recording import ExtremesSampler
+from nanrunbook.capture.torch.recording import ExtremesSampler, OutputExtremes
 from nanrunbook.capture.torch.replay import Clipping, MicroBatch
 from nanrunbook.capture.torch.snapshot import Buffers
 
@@ -141,6 +141,10 @@ class StepRecord:
     update_flag: Any = None
     update_max: tuple[list[str], Any] | None = None  # sampled: max abs of the update
     update: UpdateTelemetry | None = None
+    weight_norm: float | None = None  # the updated parameters' L2 norm (the update flag)
+    # Every step: the model's reduced-precision output extremes (on the device).
+    outputs: OutputExtremes | None = None
+    output: Activations | None = None
 
     @property
     def loss(self) -> float | None:
@@ -165,6 +169,29 @@ class StepRecord:
         if sampler is not None and sampler.values:
             readout.add("act", torch.stack(joined(sampler.values)))
         return names
+
+    def pack_outputs(self, readout: Readout) -> None:
+        outputs = self.outputs
+        if outputs is not None and outputs.values:
+            device = outputs.values[0].device
+            readout.add("out_max", torch.stack([v.to(device) for v in outputs.values]))
+
+    def read_outputs(self, values: dict[str, list[float]]) -> None:
+        """The output with the least headroom (non-finite ones named apart)."""
+        outputs = self.outputs
+        if outputs is None or "out_max" not in values:
+            return
+        pairs = list(zip(values["out_max"], outputs.dtypes, strict=True))
+        finite = [(headroom_bits(v, d), v, d) for v, d in pairs if math.isfinite(v)]
+        known = [(b, v, d) for b, v, d in finite if b is not None]
+        bits, top, dtype = min(known, default=(None, None, None))
+        self.output = Activations(
+            max_abs=top,
+            where="output" if top is not None else None,
+            dtype=dtype,
+            headroom_bits=bits,
+            nonfinite=("output",) if len(finite) < len(pairs) else (),
+        )
 
     def read_activations(self, values: dict[str, list[float]]) -> None:
         sampler = self.sampler
@@ -222,6 +249,7 @@ class StepRecord:
         if "update_max" in values and all(math.isfinite(v) for v in values["update_max"]):
             max_abs = max(values["update_max"])
         if math.isfinite(values["update_flag"][0]):
+            self.weight_norm = values["update_flag"][0]  # the flag is their L2 norm
             self.update = UpdateTelemetry(max_abs=max_abs)
             return True
         rows = exact_counts([p.detach() for p in self.updated])

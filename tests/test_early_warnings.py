@@ -1,0 +1,165 @@
+"""Early warnings from the first few steps, on real CPU runs (tests/warning_runs.py,
+shared with bench/bench_warnings.py): through the sentinel and through watch on
+the telemetry it wrote, and on the same file with its warnings taken off (a file
+from an older sentinel)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+import warning_runs
+from torch import nn
+
+from nanrunbook.capture.torch import Sentinel, Thresholds
+from nanrunbook.telemetry import summarise_file
+
+DIVERGING = [n for n, (diverging, _) in warning_runs.RUNS.items() if diverging]
+HEALTHY = [n for n, (diverging, _) in warning_runs.RUNS.items() if not diverging]
+DERIVED = {"LOSS_DIVERGENCE", "GRAD_NORM_DIVERGENCE", "WEIGHT_NORM_GROWTH", "NEAR_DTYPE_MAX"}
+
+
+def stripped(path: Path) -> Path:
+    """The telemetry as an older sentinel wrote it: no warning on any line."""
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    for line in lines:
+        line["warnings"] = []
+    out = path.with_name("older.jsonl")
+    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return out
+
+
+@pytest.mark.parametrize("name", DIVERGING)
+def test_a_diverging_run_warns_by_a_step_after_its_onset(name: str, tmp_path: Path) -> None:
+    outcome = warning_runs.run(name, tmp_path)
+    onset = outcome.onset
+    assert onset is not None, "the run does not diverge as built"
+    early = [w for w in outcome.warnings() if w[1] in warning_runs.EARLY_CODES]
+    assert early, f"no early warning; the lines carry {outcome.warnings()}"
+    step, code, message = early[0]
+    assert step <= onset + 1
+    if outcome.first_nonfinite is not None:
+        assert step < outcome.first_nonfinite
+    if code in ("LOSS_DIVERGENCE", "GRAD_NORM_DIVERGENCE", "WEIGHT_NORM_GROWTH"):
+        # signal and value, the statistics compared with, where the trend began
+        assert "running minimum" in message and "above the median" in message
+        assert "rising since step" in message
+    assert outcome.telemetry is not None
+    watched = summarise_file(outcome.telemetry)
+    assert watched.first_warning_step is not None and watched.first_warning_step <= onset + 1
+    older = summarise_file(stripped(outcome.telemetry))
+    derived = [w for w in older.warnings if w.source == "watch" and w.code in DERIVED]
+    assert derived and min(w.first_step for w in derived) <= onset + 1
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_a_healthy_run_gets_no_warning(name: str, tmp_path: Path) -> None:
+    outcome = warning_runs.run(name, tmp_path)
+    assert outcome.onset is None and outcome.first_nonfinite is None
+    assert outcome.warnings() == []
+    assert outcome.telemetry is not None
+    lines = outcome.lines()
+    assert all(line["weight_norm"] is not None for line in lines if line["update"] is not None)
+    assert summarise_file(outcome.telemetry).warnings == ()
+    assert summarise_file(stripped(outcome.telemetry)).warnings == ()
+
+
+def test_the_probing_run_really_probes_and_the_output_is_read_every_step(
+    tmp_path: Path,
+) -> None:
+    lines = warning_runs.run("gradscaler_probing", tmp_path).lines()
+    assert sum(line["found_inf"] is True for line in lines) >= 2  # backoffs happened
+    assert all(line["output"]["dtype"] == "F16" for line in lines)  # every step, not sampled
+
+
+def test_watch_fast_path_derives_what_record_by_record_does(tmp_path: Path) -> None:
+    from nanrunbook.telemetry import Summariser, parse_record
+
+    outcome = warning_runs.run("weight_growth", tmp_path)
+    assert outcome.telemetry is not None
+    older = stripped(outcome.telemetry)
+    fast = summarise_file(older)
+    slow = Summariser(str(older))
+    for raw in older.read_bytes().splitlines():
+        slow.add(parse_record(orjson.loads(raw)))
+    tallies = [(w.code, w.count, w.first_step, w.message) for w in fast.warnings]
+    assert tallies == [(w.code, w.count, w.first_step, w.message) for w in slow.summary().warnings]
+    assert any(code == "WEIGHT_NORM_GROWTH" for code, *_ in tallies)
+
+
+# ------------------------------------------------------------ the detector
+
+
+def test_a_fast_drop_never_warns_a_rise_above_the_minimum_does() -> None:
+    from nanrunbook.telemetry._early import DEFAULT_LIMITS, Divergence
+
+    detector = Divergence(DEFAULT_LIMITS["loss"])
+    drop = [2500.0, 900.0, 80.0, 12.0, 9.0, 10.0, 8.5, 9.5, 9.0, 8.8, 9.2]
+    for step, value in enumerate(drop, start=1):
+        assert detector.add(step, value) is None
+    rise = detector.add(12, 90.0)
+    assert rise is not None and rise.minimum == 8.5 and rise.minimum_step == 7
+    assert rise.began == 10 and rise.seen == 11 and rise.median == pytest.approx(9.5)
+    assert "10.6x its running minimum 8.5 (step 7)" in rise.describe("loss")
+
+
+def test_noise_needs_a_larger_rise_and_the_minimum_count_is_kept() -> None:
+    from nanrunbook.telemetry._early import DEFAULT_LIMITS, Divergence
+
+    noisy = Divergence(DEFAULT_LIMITS["grad_norm"])
+    for step, value in enumerate([1.0, 30.0, 0.5, 40.0, 1.0, 25.0, 0.8, 35.0], start=1):
+        noisy.add(step, value)
+    assert noisy.add(9, 45.0) is None  # 90x the minimum, within the signal's own spread
+    early = Divergence(DEFAULT_LIMITS["grad_norm"])
+    assert early.add(1, 1.0) is None and early.add(2, 1.1) is None
+    assert early.add(3, 1000.0) is None  # two values seen: fewer than min_steps
+    quiet = Divergence(DEFAULT_LIMITS["grad_norm"])
+    for step, value in enumerate([1.0, 1.1, 1.0], start=1):
+        quiet.add(step, value)
+    assert quiet.add(4, 1000.0) is not None  # from the fourth step on
+    for value in (0.0, -1.0, math.inf, math.nan, None):
+        assert quiet.add(5, value) is None  # not fed: log space, finite
+
+
+def test_thresholds_hold_the_divergence_limits() -> None:
+    limits = Thresholds(loss_ratio=3.0, divergence_min_steps=5).divergence_limits()
+    assert limits["loss"].ratio == 3.0 and limits["grad_norm"].min_steps == 5
+    with pytest.raises(ValueError, match="ratio"):
+        Thresholds(grad_norm_ratio=1.0)
+    with pytest.raises(ValueError, match="min_steps"):
+        Thresholds(divergence_min_steps=0)
+
+
+# ----------------------------------------------- a norm beyond float32, gradients finite
+
+
+def test_a_gradient_norm_that_overflows_float32_is_a_warning(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def compute_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (model(batch) * 1e19).sum()  # gradients ~1e19: finite, their squares not
+
+    telemetry = tmp_path / "t.jsonl"
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        compute_loss,
+        run_id="norm",
+        checkpoint={"id": "c", "verified_together": warning_runs.PARTS},
+        data={"id": "d"},
+        objective={"id": "o", "reduction": "sum"},
+        incident_dir=tmp_path / "incident",
+        telemetry=telemetry,
+    )
+    sentinel.forward(torch.ones(8, 64)).backward()
+    optimizer.step()
+    sentinel.close()
+    (line,) = [orjson.loads(raw) for raw in telemetry.read_bytes().splitlines()]
+    assert line["grad"]["nan"] == line["grad"]["posinf"] == 0 and not line["held"]
+    (warning,) = [w for w in line["warnings"] if w["code"] == "GRAD_NORM_OVERFLOW"]
+    assert "overflows float32" in warning["message"] and "8e+19" in warning["message"]
