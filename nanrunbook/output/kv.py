@@ -149,6 +149,10 @@ class KvRenderer(Renderer):
             f"verdict={result.verdict}",
             f"outcome={result.outcome or 'none'}",
             f"first_divergence_stage={first.base_stage if first else 'none'}",
+            # appended after the first lines: one content id on both sides, and
+            # one directory on both sides (exit 2)
+            f"same_evidence={'true' if result.same_evidence else 'false'}",
+            f"same_bundle={'true' if result.same_bundle else 'false'}",
         ]
         _write(lines, out)
 

@@ -200,6 +200,9 @@ class TextRenderer(Renderer):
                     )
                 )
             return
+        if result.same_bundle:
+            _diff_same_bundle(console, result)
+            return
         _diff_heading(console, result)
         _diff_changes(console, result)
         _diff_divergence(console, result)
@@ -794,6 +797,26 @@ _OUTCOME_MEANING = {
 _LISTED = 10  # tensors listed by name in the text view; json lists them all
 
 
+def _diff_same_bundle(console: Any, result: Comparison) -> None:
+    """One directory on both sides: no replay was compared, so no verdict."""
+    from rich.text import Text
+
+    console.print(
+        Text.assemble(
+            ("nanrunbook diff: ", "bold"),
+            ("SAME BUNDLE", "bold yellow"),
+            " - base and other are one directory, one evidence",
+        )
+    )
+    manifest = result.base.manifest
+    console.print(f"  evidence  {_short_id(manifest.evidence_content_id)} on both sides")
+    console.print(
+        f"  bundle    {manifest.run_id} step {manifest.step}, {result.base.decision.decision}"
+    )
+    console.print("  Nothing was compared (exit 2): give the original as BASE and the")
+    console.print("  replay's bundle as OTHER.")
+
+
 def _diff_heading(console: Any, result: Comparison) -> None:
     from rich.text import Text
 
@@ -825,6 +848,10 @@ def _diff_heading(console: Any, result: Comparison) -> None:
                 f"  {manifest.run_id} step {manifest.step}  {manifest.evidence_content_id}",
             )
         )
+    if result.same_evidence:
+        console.print("  note: both sides are the same evidence (one content id): a replay")
+        console.print("  that came out bit for bit, or a copy of BASE; the bundles cannot")
+        console.print("  tell which")
     if not result.same_run or not result.same_step:
         what = "runs" if not result.same_run else "steps"
         console.print(
