@@ -85,6 +85,13 @@ class KvRenderer(Renderer):
             f"warnings={len(report.warnings)}",
             *(f"warning={w.code} {w.stage}#{w.index}" for w in report.warnings),
         ]
+        if report.alone is not None:  # appended: one rank of a set, checked alone
+            lines += [
+                f"set_member_warning={report.alone.warning}",
+                f"set_rank={report.alone.rank}",
+                f"set_world_size={report.alone.world_size}",
+                f"set_path={kv_where(report.alone.set_path)}",
+            ]
         _write(lines, out)
 
     def rejection(

@@ -459,10 +459,22 @@ def _verdict_facts(report: Report) -> list[tuple[str, str]]:
     evidence = _shorten_digests(manifest.evidence_content_id)
     if manifest.evidence_id != f"{manifest.run_id}.step-{manifest.step}":
         evidence = f"{manifest.evidence_id} {evidence}"
+    alone = report.alone
+    member = []
+    if alone is not None:
+        member = [
+            (
+                "incident set",
+                f"rank {alone.rank} of {alone.world_size}: one member of a set, checked"
+                f" alone ({alone.warning}); check the set instead:"
+                f" nanrunbook check {alone.set_path}",
+            )
+        ]
     return [
         *facts,
         ("action", decision.action),
         ("root cause claim", decision.root_cause_claim),
+        *member,
         ("bundle", report.bundle),
         ("run", run),
         ("evidence", evidence),
@@ -499,8 +511,11 @@ def _brief_lines(report: Report) -> list[Any]:
 
 def _warnings_count(report: Report) -> str:
     """``2 (AT_DTYPE_MAX, NEAR_DTYPE_MAX)``: how many, and which codes."""
-    codes = ", ".join(dict.fromkeys(w.code for w in report.warnings))
-    return f"{len(report.warnings)} ({codes})" if codes else "0"
+    found = [w.code for w in report.warnings]
+    if report.alone is not None:
+        found.append(report.alone.warning)
+    codes = ", ".join(dict.fromkeys(found))
+    return f"{len(found)} ({codes})" if codes else "0"
 
 
 def _brief_violations(error: EvidenceRejected) -> list[Any]:
@@ -683,13 +698,20 @@ def _warnings_block(console: Any, report: Report, shown: int, *, lines: int = 0)
     from rich.text import Text
 
     warnings = report.warnings
+    alone = report.alone
     if not warnings:
+        if alone is not None:
+            return Text.assemble(("Warnings", "bold"), f": {alone.warning} (incident set, above)")
         return Text.assemble(("Warnings", "bold"), ": none")
-    heading = Text(f"Warnings ({len(warnings)}, upstream first)", style="bold")
+    total = len(warnings) + (alone is not None)
+    heading = Text(f"Warnings ({total}, upstream first)", style="bold")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True, style="yellow")
     grid.add_column(overflow="fold")
     codes = max(len(w.code) for w in warnings[:shown]) if shown else 0
+    if alone is not None:
+        codes = max(codes, len(alone.warning))
+        grid.add_row(alone.warning, "this bundle alone: see incident set, above")
     width = console.width - 2 - codes - 2  # indent, code, padding
     for warning in warnings[:shown]:
         where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
