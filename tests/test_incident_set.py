@@ -992,3 +992,68 @@ def test_a_single_rank_bundle_is_not_a_member_alone(tmp_path: Path) -> None:
     assert judgement.exit_code_for(fail_on_warnings=True) == 0
     assert "set_" not in rendered(KvRenderer(), judgement)
     assert json.loads(rendered(JsonRenderer(), judgement))["set_member"] is None
+
+
+# --------------------------------------------------------- run directories
+
+
+def test_a_run_directory_says_so_and_names_each_incident_by_step(tmp_path: Path) -> None:
+    """The sentinel writes a single-rank run's incidents as incident/<run>/<step>/:
+    checked, incident/<run>/ is a set (spec section 11) and its verdict stands,
+    but the answer says it looks like a run directory and names each incident,
+    by step (found in independent testing: 'HOLD - incident set ... member 13',
+    then REJECTED once a second step held)."""
+    run_dir = tmp_path / "incident" / "run-a"
+    rank_bundle(run_dir / "13", rank=0, world_size=1, run_id="run-a", step=13, hold="loss")
+    one = run("check", "-f", "kv", str(run_dir))
+    assert one.returncode == 1  # the set's HOLD stands
+    assert one.stdout.splitlines()[-1] == "run_directory_steps=13"
+
+    rank_bundle(run_dir / "9", rank=0, world_size=1, run_id="run-a", step=9)
+    env_80 = {**os.environ, "COLUMNS": "80"}
+    text = subprocess.run(
+        [*CLI, "check", "incident/run-a"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_80,
+        cwd=tmp_path,
+    )
+    assert text.returncode == 3  # SET_STEP_MISMATCH: the spec's verdict stands
+    lines = text.stdout.splitlines()
+    note = " ".join(" ".join(lines[1:4]).split())
+    assert note.startswith(
+        "This looks like a run directory: its members are incidents at different"
+        " steps of run run-a, each a whole answer on its own."
+    )
+    listed = [line.split() for line in lines if line.startswith("    step ")]
+    assert listed == [
+        ["step", "9", "CONTINUE_BOUNDED_DIAGNOSTICS", "nanrunbook", "check", "'incident/run-a/9'"],
+        ["step", "13", "HOLD", "nanrunbook", "check", "'incident/run-a/13'"],
+    ]  # by step, not by name
+    new_lines = [*lines[1:4], *(line for line in lines if line.startswith("    step "))]
+    assert max(map(len, new_lines)) <= 80
+    kv_lines = run("check", "-f", "kv", str(run_dir)).stdout.splitlines()
+    assert "violation=SET_STEP_MISMATCH 9" in kv_lines
+    assert kv_lines[-1] == "run_directory_steps=9,13"
+    document = json.loads(run("check", "-f", "json", str(run_dir)).stdout)
+    assert document["decision"] == "REJECTED"
+    assert document["run_directory"] == {
+        "run_id": "run-a",
+        "incidents": [
+            {"step": 9, "member": "9", "decision": "CONTINUE_BOUNDED_DIAGNOSTICS",
+             "bundle": str(run_dir / "9")},
+            {"step": 13, "member": "13", "decision": "HOLD", "bundle": str(run_dir / "13")},
+        ],
+    }  # fmt: skip
+
+
+def test_one_steps_ranks_and_unrelated_runs_are_not_a_run_directory(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "incident", 2, holds={1: "backward"})
+    assert check_incident_set(root).run_incidents == ()
+    assert "run_directory" not in run("check", "-f", "kv", str(root)).stdout
+    assert json.loads(run("check", "-f", "json", str(root)).stdout)["run_directory"] is None
+    mixed = tmp_path / "bundles"
+    rank_bundle(mixed / "a", rank=0, world_size=1, run_id="run-a")
+    rank_bundle(mixed / "b", rank=0, world_size=1, run_id="run-b", step=12)
+    assert check_incident_set(mixed).run_incidents == ()

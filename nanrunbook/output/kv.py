@@ -57,6 +57,16 @@ def _member_name(name: str) -> str:
     return name if IDENTIFIER.fullmatch(name) else "[?]"
 
 
+def _run_directory_lines(result: IncidentSet) -> list[str]:
+    """Appended last when the set looks like a run directory: its members' steps,
+    in order (``run_directory_steps=13,20``); check each member on its own."""
+    incidents = result.run_incidents
+    if not incidents:
+        return []
+    steps = (str(i.step) if i.step is not None else "none" for i in incidents)
+    return [f"run_directory_steps={','.join(steps)}"]
+
+
 def _write(lines: list[str], out: IO[str]) -> None:
     out.write("\n".join(lines) + "\n")
 
@@ -172,7 +182,7 @@ class KvRenderer(Renderer):
         if result.decision == REJECTED:
             lines += ["decision=REJECTED", f"violations={len(result.violations)}"]
             lines += [f"violation={v.code} {kv_set_where(v)}" for v in result.violations]
-            _write(lines, out)
+            _write(lines + _run_directory_lines(result), out)
             return
         lines += [
             f"run={result.run_id}",
@@ -195,6 +205,7 @@ class KvRenderer(Renderer):
                 for member in result.members
                 for code in member.warnings
             ),
+            *_run_directory_lines(result),
         ]
         _write(lines, out)
 

@@ -219,6 +219,7 @@ class TextRenderer(Renderer):
             _print_unwrapped(console, [headline, *_brief_set_lines(result)])
             return
         console.print(headline)
+        _run_directory_note(console, result)
         if result.decision == REJECTED:
             _print_set_rejection(console, result)
         else:
@@ -817,6 +818,36 @@ _OUTCOME_MEANING = {
     "UNCHANGED": "the same decision at the same stage",
 }
 _LISTED = 10  # tensors listed by name in the text view; json lists them all
+
+
+_RUN_INCIDENTS_SHOWN = 10
+
+
+def _run_directory_note(console: Any, result: IncidentSet) -> None:
+    """A set that looks like a run directory (the sentinel's
+    ``incident/<run>/<step>/``): the verdict stands, and the note says which
+    incidents it holds, by step, and what to check instead."""
+    from rich.text import Text
+
+    incidents = result.run_incidents
+    if not incidents:
+        return
+    several = len({i.step for i in incidents}) > 1
+    kind = "incidents at different steps" if several else "single-rank incidents"
+    note = (
+        f"This looks like a run directory: its members are {kind} of run"
+        f" {result.run_id}, each a whole answer on its own. The verdict here"
+        " is the directory's, judged as one set (spec section 11). Check each"
+        " incident instead:"
+    )
+    _show(console, _indented(Text(note, style="yellow"), 2))
+    for incident in incidents[:_RUN_INCIDENTS_SHOWN]:
+        step = "-" if incident.step is None else str(incident.step)
+        line = f"step {step}  {incident.decision}  nanrunbook check {quote(incident.bundle)}"
+        _show(console, _indented(Text(line), 4))
+    hidden = len(incidents) - _RUN_INCIDENTS_SHOWN
+    if hidden > 0:
+        _show(console, _indented(Text(f"... {hidden} more (--format json: run_directory)"), 4))
 
 
 def _diff_same_bundle(console: Any, result: Comparison) -> None:
