@@ -19,6 +19,7 @@ records until they are done.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import stat
@@ -37,8 +38,9 @@ from nanrunbook.tensors.verify import Progress
 from nanrunbook.verdict.incident_set import IncidentSet, SetMember, judge_set
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.precision import WarningThresholds
+from nanrunbook.verdict.report import CheckedAlone
 
-__all__ = ["check_incident_set", "check_path", "is_incident_set"]
+__all__ = ["check_incident_set", "check_path", "checked_alone", "is_incident_set"]
 
 
 def is_incident_set(path: str | os.PathLike[str]) -> bool:
@@ -71,8 +73,29 @@ def check_path(
 ) -> Judgement | IncidentSet:
     """What ``nanrunbook check`` answers for one path: the set's verdict when it is
     an incident set (see :func:`is_incident_set`), else the bundle's judgement."""
-    check = check_incident_set if is_incident_set(path) else judge_bundle
-    return check(path, caps=caps, progress=progress, workers=workers, thresholds=thresholds)
+    if is_incident_set(path):
+        return check_incident_set(
+            path, caps=caps, progress=progress, workers=workers, thresholds=thresholds
+        )
+    judgement = judge_bundle(
+        path, caps=caps, progress=progress, workers=workers, thresholds=thresholds
+    )
+    return checked_alone(judgement, path)
+
+
+def checked_alone(judgement: Judgement, path: str | os.PathLike[str]) -> Judgement:
+    """``judgement`` of the bundle at ``path``, checked on its own: when its topology
+    says it is one rank of several, its report names the set to check instead (the
+    directory holding it) and carries SET_MEMBER_ALONE. Its verdict is unchanged."""
+    report = judgement.report
+    if report is None or report.manifest.binding.world_size <= 1:
+        return judgement
+    binding = report.manifest.binding
+    holder = os.path.dirname(os.path.normpath(os.path.abspath(path)))
+    given = os.path.dirname(os.path.normpath(path)) or "."
+    set_path = given if os.path.abspath(given) == holder else holder
+    alone = CheckedAlone(binding.rank, binding.world_size, set_path)
+    return dataclasses.replace(judgement, report=dataclasses.replace(report, alone=alone))
 
 
 def check_incident_set(

@@ -137,6 +137,7 @@ class Comparison:
     other_only: tuple[OneSided, ...]
     stages: tuple[StageDiff, ...]
     diff_format: str = DIFF_FORMAT
+    same_bundle: bool = False  # BASE and OTHER name one directory: nothing was compared
 
     @property
     def changed(self) -> tuple[str, ...]:
@@ -164,8 +165,20 @@ class Comparison:
     def same_step(self) -> bool:
         return self.base.manifest.step == self.other.manifest.step
 
+    @property
+    def same_evidence(self) -> bool:
+        """Both sides have one evidence content id: one bundle twice, a copy, or a
+        replay that came out bit for bit (a deterministic one does: the bundle holds
+        nothing that tells a copy from it)."""
+        return self.base.manifest.evidence_content_id == self.other.manifest.evidence_content_id
+
     def exit_code(self, *, require_fixed: bool = False) -> int:
-        """0 when attributable (with ``require_fixed``: only when recovery is proven), else 1."""
+        """0 when attributable (with ``require_fixed``: only when recovery is proven), else
+        1; 2, a usage error, when BASE and OTHER are one directory: the call compared
+        a bundle with itself, the caller's mistake and not the evidence's (3 would say
+        a bundle was rejected)."""
+        if self.same_bundle:
+            return Exit.USAGE
         ok = self.recovered if require_fixed else self.attributable
         return Exit.CONTINUE if ok else Exit.HOLD
 
@@ -234,7 +247,16 @@ def diff_bundles(
         base_only=base_only,
         other_only=other_only,
         stages=_stages(a, b, tensors, base_only, other_only),
+        same_bundle=_same_directory(base, other),
     )
+
+
+def _same_directory(base: str | os.PathLike[str], other: str | os.PathLike[str]) -> bool:
+    """One directory under two spellings (``x``, ``./x/``, a symbolic link) or one."""
+    try:
+        return os.path.samefile(base, other)
+    except OSError:  # gone since its check: then not provably the same
+        return False
 
 
 _ABSENT = ("absent",)
@@ -493,6 +515,8 @@ def diff_document(comparison: Comparison) -> dict[str, Any]:
         ],
         "same_run": comparison.same_run,
         "same_step": comparison.same_step,
+        "same_evidence": comparison.same_evidence,
+        "same_bundle": comparison.same_bundle,
         "base": _side(comparison.base),
         "other": _side(comparison.other),
         "first_divergence": None if first is None else tensor_document(first),

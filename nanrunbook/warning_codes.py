@@ -52,6 +52,11 @@ WARNING_CODES = MappingProxyType(
         "LOSS_SCALE_BACKOFF_STREAK": "the dynamic loss scale backed off several steps in a row",
         "LOSS_SCALE_BELOW_FLOOR": "the dynamic loss scale fell below the floor",
         "SKIPPED_UPDATE_STREAK": "several consecutive steps were skipped without an update",
+        # The check's own: a bundle that is one rank of several, checked alone.
+        "SET_MEMBER_ALONE": (
+            "one rank's bundle of a job of several ranks checked without its incident set;"
+            " the set's verdict is the directory that holds it"
+        ),
         "CHECKPOINT_NOT_RECOVERY_POINT": (
             "a checkpoint did not verify all five recovery parts together;"
             " the last known-good state stays the previous one"

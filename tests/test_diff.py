@@ -39,6 +39,8 @@ KV_KEYS = [
     "verdict",
     "outcome",
     "first_divergence_stage",
+    "same_evidence",
+    "same_bundle",
 ]
 
 
@@ -97,9 +99,53 @@ def test_reproduced_bit_identical(tmp_path: Path) -> None:
         "verdict=REPRODUCED",
         "outcome=none",
         "first_divergence_stage=none",
+        "same_evidence=true",  # written alike, as a deterministic replay is
+        "same_bundle=false",
     ]
+    assert result.same_evidence and not result.same_bundle
+    assert "note: both sides are the same evidence" in run_renderer("text", result)
     assert lines[0] == f"base_evidence_content_id={load(base)['evidence_content_id']}"
     assert lines[1] == f"other_evidence_content_id={load(other)['evidence_content_id']}"
+
+
+def test_one_bundle_on_both_sides_is_a_usage_error_in_every_format(tmp_path: Path) -> None:
+    """``diff X X``, however spelled, compares nothing: exit 2 (the call's mistake;
+    3 would say a bundle was rejected), and every format says so."""
+    bundle = write_bundle(tmp_path / "a", forward_hold())
+    (tmp_path / "link").symlink_to(bundle)
+    for other in (bundle, Path(f"{bundle}/"), tmp_path / "." / "a", tmp_path / "link"):
+        result = diff_bundles(bundle, other)
+        assert result.same_bundle and result.same_evidence
+        assert result.exit_code() == 2 and result.exit_code(require_fixed=True) == 2
+    for options in ([], ["--require-fixed"]):
+        text = cli(str(bundle), str(tmp_path / "link"), *options)
+        assert text.exit_code == 2
+        assert text.stdout.startswith("nanrunbook diff: SAME BUNDLE - base and other are one")
+        assert "REPRODUCED" not in text.stdout
+        assert "Nothing was compared (exit 2)" in text.stdout
+        assert max(map(len, text.stdout.splitlines())) <= 80
+    as_kv = cli(str(bundle), str(bundle), "-f", "kv")
+    assert as_kv.exit_code == 2
+    assert as_kv.stdout.splitlines()[-2:] == ["same_evidence=true", "same_bundle=true"]
+    as_json = cli(str(bundle), str(bundle), "-f", "json")
+    assert as_json.exit_code == 2
+    document = json.loads(as_json.stdout)
+    assert (document["same_evidence"], document["same_bundle"]) == (True, True)
+
+
+def test_a_copy_is_the_same_evidence_but_not_the_same_bundle(tmp_path: Path) -> None:
+    """A copy cannot be told from a replay that came out bit for bit (neither can
+    the bundle): REPRODUCED stands, exit 0, and the report says one evidence."""
+    import shutil
+
+    bundle = write_bundle(tmp_path / "a", forward_hold())
+    shutil.copytree(bundle, tmp_path / "copy")
+    done = cli(str(bundle), str(tmp_path / "copy"), "-f", "kv")
+    assert done.exit_code == 0
+    assert "verdict=REPRODUCED" in done.stdout.splitlines()
+    assert done.stdout.splitlines()[-2:] == ["same_evidence=true", "same_bundle=false"]
+    other = write_bundle(tmp_path / "b", loss_hold())
+    assert not diff_bundles(bundle, other).same_evidence
 
 
 def test_not_reproduced_says_the_decision_differs(tmp_path: Path) -> None:
@@ -487,7 +533,7 @@ def test_the_man_page_documents_every_json_key(tmp_path: Path) -> None:
     a = write_bundle(tmp_path / "a", tensors)
     b = write_bundle(tmp_path / "b", with_value(tensors, "act/l0", (0, 0), 2.0))
     document = diff_document(diff_bundles(a, b))
-    assert _documented("Comparison (diff, exit 0 or 1)") == set(document)
+    assert _documented("Comparison (diff, exit 0, 1 or 2)") == set(document)
     assert document["tensors"] and document["first_divergence"] is not None
     for tensor in document["tensors"]:
         assert _documented("Comparison tensor objects") == set(tensor)

@@ -430,7 +430,9 @@ def test_cli_check_of_a_set(tmp_path: Path) -> None:
     assert document["origin"] == "ONE_RANK" and document["origin_ranks"] == [2]
     assert [m["name"] for m in document["members"]] == [f"rank-0000{r}" for r in range(4)]
     accepted = document["members"][2]["report"]
-    assert accepted == json.loads(run("check", "--format", "json", str(root / "rank-00002")).stdout)
+    alone = json.loads(run("check", "--format", "json", str(root / "rank-00002")).stdout)
+    assert alone["set_member"]["set_path"] == str(root)  # checked alone, it names its set
+    assert accepted == {**alone, "set_member": None}  # inside its set, it is not alone
     refused = document["members"][3]["report"]
     assert refused["decision"] == "REJECTED" and refused["declared"]["rank"] == 3
 
@@ -902,3 +904,156 @@ def test_brief_and_fail_on_warnings_for_sets(tmp_path: Path) -> None:
     rejected_brief = run("check", "--brief", str(make_set(tmp_path / "part", 3, ranks=[0])))
     assert rejected_brief.returncode == 3
     assert rejected_brief.stdout.splitlines()[1].split() == ["SET_RANKS_MISSING", "."]
+
+
+# ------------------------------------------- one rank's bundle checked alone
+
+
+def rendered(renderer: Any, outcome: Any) -> str:
+    out = io.StringIO()
+    renderer.judgement(outcome, out)
+    return out.getvalue()
+
+
+def test_one_ranks_bundle_checked_alone_names_its_set_in_every_format(tmp_path: Path) -> None:
+    """Rank 0 of a set whose rank 1 held: CONTINUE on its own evidence, exit 0,
+    and every format says it is one member and which set to check instead;
+    SET_MEMBER_ALONE makes --fail-on-warnings exit 5 (found in independent testing:
+    it said CONTINUE with no word of the set)."""
+    from nanrunbook.check_set import check_path
+
+    root = make_set(tmp_path / "incident", 2, holds={1: "backward"})
+    member = root / "rank-00000"
+    judgement = check_path(member)
+    assert judgement.report is not None and judgement.report.alone is not None
+    alone = judgement.report.alone
+    assert (alone.rank, alone.world_size, alone.set_path) == (0, 2, str(root))
+    assert judgement.report.warnings == ()  # the tensors' warnings are unchanged
+    assert judgement.exit_code_for() == 0 and judgement.exit_code_for(fail_on_warnings=True) == 5
+
+    text = rendered(TextRenderer(width=80), judgement)
+    assert max(map(len, text.splitlines())) <= 80
+    flat = " ".join(text.split())
+    assert "incident set rank 0 of 2: one member of a set, checked alone (SET_MEMBER_ALONE)" in flat
+    assert "check the set instead: nanrunbook check" in flat
+    assert f"instead:nanrunbookcheck{root}" in "".join(text.split())  # a long path folds
+    assert "Warnings: SET_MEMBER_ALONE" in text
+    brief = rendered(TextRenderer(brief=True), judgement)
+    assert "1 (SET_MEMBER_ALONE)" in brief
+
+    lines = rendered(KvRenderer(), judgement).splitlines()
+    assert lines[-5:] == [
+        "warnings=0",
+        "set_member_warning=SET_MEMBER_ALONE",
+        "set_rank=0",
+        "set_world_size=2",
+        f"set_path={root}",
+    ]
+    document = json.loads(rendered(JsonRenderer(), judgement))
+    assert document["decision"] == "CONTINUE_BOUNDED_DIAGNOSTICS"
+    assert document["set_member"] == {
+        "rank": 0,
+        "world_size": 2,
+        "set_path": str(root),
+        "warning": "SET_MEMBER_ALONE",
+    }
+
+    # The rank that held still holds: 5 never hides a HOLD.
+    held = run("check", "--fail-on-warnings", "-f", "kv", str(root / "rank-00001"))
+    assert held.returncode == 1 and "set_rank=1" in held.stdout.splitlines()
+    done = run("check", "--fail-on-warnings", "-f", "kv", f"{member}/")
+    assert done.returncode == 5 and f"set_path={root}" in done.stdout.splitlines()
+    relative = run("check", "-f", "kv", "rank-00000", cwd=root)
+    assert relative.returncode == 0 and "set_path=." in relative.stdout.splitlines()
+
+
+def test_a_member_checked_in_its_set_or_merged_is_not_alone(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "incident", 2)
+    as_set = run("check", "--fail-on-warnings", "-f", "json", str(root))
+    assert as_set.returncode == 0
+    document = json.loads(as_set.stdout)
+    assert [m["report"]["set_member"] for m in document["members"]] == [None, None]
+    assert "SET_MEMBER_ALONE" not in run("check", "-f", "kv", str(root)).stdout
+    reports = []
+    for member in sorted(root.iterdir()):
+        reports.append(tmp_path / f"{member.name}.json")
+        reports[-1].write_text(run("check", "-f", "json", str(member)).stdout)
+    merged = run("merge", "-f", "kv", *map(str, reports))  # merged into its set: not alone
+    assert merged.returncode == 0 and "warnings=0" in merged.stdout.splitlines()
+    assert merge_reports(reports).exit_code_for(fail_on_warnings=True) == 0
+
+
+def test_a_single_rank_bundle_is_not_a_member_alone(tmp_path: Path) -> None:
+    from nanrunbook.check_set import check_path
+
+    bundle = rank_bundle(tmp_path / "run" / "13", rank=0, world_size=1)
+    judgement = check_path(bundle)
+    assert judgement.report is not None and judgement.report.alone is None
+    assert judgement.exit_code_for(fail_on_warnings=True) == 0
+    assert "set_" not in rendered(KvRenderer(), judgement)
+    assert json.loads(rendered(JsonRenderer(), judgement))["set_member"] is None
+
+
+# --------------------------------------------------------- run directories
+
+
+def test_a_run_directory_says_so_and_names_each_incident_by_step(tmp_path: Path) -> None:
+    """The sentinel writes a single-rank run's incidents as incident/<run>/<step>/:
+    checked, incident/<run>/ is a set (spec section 11) and its verdict stands,
+    but the answer says it looks like a run directory and names each incident,
+    by step (found in independent testing: 'HOLD - incident set ... member 13',
+    then REJECTED once a second step held)."""
+    run_dir = tmp_path / "incident" / "run-a"
+    rank_bundle(run_dir / "13", rank=0, world_size=1, run_id="run-a", step=13, hold="loss")
+    one = run("check", "-f", "kv", str(run_dir))
+    assert one.returncode == 1  # the set's HOLD stands
+    assert one.stdout.splitlines()[-1] == "run_directory_steps=13"
+
+    rank_bundle(run_dir / "9", rank=0, world_size=1, run_id="run-a", step=9)
+    env_80 = {**os.environ, "COLUMNS": "80"}
+    text = subprocess.run(
+        [*CLI, "check", "incident/run-a"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_80,
+        cwd=tmp_path,
+    )
+    assert text.returncode == 3  # SET_STEP_MISMATCH: the spec's verdict stands
+    lines = text.stdout.splitlines()
+    note = " ".join(" ".join(lines[1:4]).split())
+    assert note.startswith(
+        "This looks like a run directory: its members are incidents at different"
+        " steps of run run-a, each a whole answer on its own."
+    )
+    listed = [line.split() for line in lines if line.startswith("    step ")]
+    assert listed == [
+        ["step", "9", "CONTINUE_BOUNDED_DIAGNOSTICS", "nanrunbook", "check", "'incident/run-a/9'"],
+        ["step", "13", "HOLD", "nanrunbook", "check", "'incident/run-a/13'"],
+    ]  # by step, not by name
+    new_lines = [*lines[1:4], *(line for line in lines if line.startswith("    step "))]
+    assert max(map(len, new_lines)) <= 80
+    kv_lines = run("check", "-f", "kv", str(run_dir)).stdout.splitlines()
+    assert "violation=SET_STEP_MISMATCH 9" in kv_lines
+    assert kv_lines[-1] == "run_directory_steps=9,13"
+    document = json.loads(run("check", "-f", "json", str(run_dir)).stdout)
+    assert document["decision"] == "REJECTED"
+    assert document["run_directory"] == {
+        "run_id": "run-a",
+        "incidents": [
+            {"step": 9, "member": "9", "decision": "CONTINUE_BOUNDED_DIAGNOSTICS",
+             "bundle": str(run_dir / "9")},
+            {"step": 13, "member": "13", "decision": "HOLD", "bundle": str(run_dir / "13")},
+        ],
+    }  # fmt: skip
+
+
+def test_one_steps_ranks_and_unrelated_runs_are_not_a_run_directory(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "incident", 2, holds={1: "backward"})
+    assert check_incident_set(root).run_incidents == ()
+    assert "run_directory" not in run("check", "-f", "kv", str(root)).stdout
+    assert json.loads(run("check", "-f", "json", str(root)).stdout)["run_directory"] is None
+    mixed = tmp_path / "bundles"
+    rank_bundle(mixed / "a", rank=0, world_size=1, run_id="run-a")
+    rank_bundle(mixed / "b", rank=0, world_size=1, run_id="run-b", step=12)
+    assert check_incident_set(mixed).run_incidents == ()

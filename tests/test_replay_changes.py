@@ -126,6 +126,9 @@ def test_replayed_as_is_reproduces_bit_for_bit(overflow: tuple[Run, Path, Path])
     assert (result.verdict, result.changes, result.first_divergence) == ("REPRODUCED", (), None)
     assert result.tensors and all(t.status == "identical" for t in result.tensors)
     assert kv(result)["first_divergence_stage"] == "none"
+    # A deterministic replay writes the very bundle it replays: one evidence,
+    # two directories, and the verdict stands.
+    assert result.same_evidence and not result.same_bundle
     assert result.exit_code() == 0
 
 
@@ -155,6 +158,8 @@ def test_in_float32_one_mechanism_changed_and_fixed(overflow: tuple[Run, Path, P
         "verdict": "ONE_MECHANISM_CHANGED",
         "outcome": "FIXED",
         "first_divergence_stage": "forward",
+        "same_evidence": "false",
+        "same_bundle": "false",
     }
     assert [t.name for t in result.other_only][:1] == ["opt/0.weight/momentum_buffer"]
 

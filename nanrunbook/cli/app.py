@@ -125,7 +125,10 @@ R = TypeVar("R")
 
 
 def guarded(command: Callable[P, R]) -> Callable[P, R]:
-    """Ctrl-C is exit 130 and a defect of ours exit 4, each one line, never a traceback."""
+    """Ctrl-C is exit 130 and a defect of ours exit 4, each one line, never a traceback.
+
+    A reader that went away is no exception here: :func:`entry_point`'s streams
+    absorb it (nanrunbook.cli._streams), so the command's own code stands."""
 
     @functools.wraps(command)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -136,12 +139,6 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
         except KeyboardInterrupt:
             sys.stderr.write("nanrunbook: interrupted\n")
             raise typer.Exit(Exit.INTERRUPTED) from None
-        except BrokenPipeError:
-            # Only output that carries no verdict gets here (help, documents).
-            from nanrunbook.cli.judge import silence
-
-            silence(sys.stdout)
-            raise typer.Exit(Exit.CONTINUE) from None
         except Exception as error:
             sys.stderr.write(f"nanrunbook: internal error: {type(error).__name__}: {error}\n")
             raise typer.Exit(Exit.INTERNAL) from None
@@ -171,7 +168,13 @@ def _root(
 
 
 def entry_point() -> None:
-    app_for(sys.argv[1:])(prog_name="nanrunbook")
+    """Run the command named in ``sys.argv``. Its exit code is its answer's, whoever
+    reads the output: stdout and stderr are streams that drop what a closed pipe
+    will not take instead of raising (help and usage errors included)."""
+    from nanrunbook.cli._streams import reader_proof_streams
+
+    with reader_proof_streams():
+        app_for(sys.argv[1:])(prog_name="nanrunbook")
 
 
 def app_for(args: list[str]) -> typer.Typer:
@@ -216,7 +219,8 @@ def main() -> NoReturn:
         sys.stderr.write(f"{status}\n")  # as the interpreter does for SystemExit("...")
         status = 1
     for stream in (sys.stdout, sys.stderr):
-        # the reader went away, or the stream is closed: the status still counts
-        with contextlib.suppress(OSError, ValueError):
+        # the reader went away, or the stream is closed (None: its descriptor was
+        # closed at start): the status still counts
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
     os._exit(status or 0)

@@ -59,7 +59,8 @@ def diff(
     Both bundles are checked first. Verdict: REPRODUCED, NOT_REPRODUCED,
     ONE_MECHANISM_CHANGED (outcome FIXED, BROKE, MOVED or UNCHANGED) or
     CONFOUNDED. Exit 0 when the comparison is attributable (REPRODUCED,
-    ONE_MECHANISM_CHANGED), 1 when it is not, 3 when a bundle is rejected.
+    ONE_MECHANISM_CHANGED), 1 when it is not, 3 when a bundle is rejected, 2
+    when BASE and OTHER are one directory (nothing compared).
 
     Example: nanrunbook diff fixtures/hold-forward-bf16 fixtures/continue-all-finite --format kv
     """

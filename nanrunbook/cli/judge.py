@@ -9,7 +9,6 @@ code, not the text.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     from nanrunbook.output.base import Renderer
     from nanrunbook.verdict.precision import WarningThresholds
 
-__all__ = ["emit", "emit_rejection", "judge", "judge_many", "silence"]
+__all__ = ["emit", "emit_rejection", "judge", "judge_many"]
 
 
 def judge(
@@ -113,17 +112,12 @@ def _renderer(fmt: str, brief: bool, *, checklist: bool = False) -> Renderer:
 
 
 def emit(write: Callable[[], None], out: IO[str]) -> None:
-    """Run ``write``; a reader that went away is not an error of the verdict."""
+    """Run ``write``; a reader that went away is not an error of the verdict (the
+    program's own streams absorb it; this is for any other ``out``)."""
+    from nanrunbook.cli._streams import silence
+
     try:
         write()
         out.flush()
     except BrokenPipeError:
         silence(out)
-
-
-def silence(stream: IO[str]) -> None:
-    """Point a closed pipe's stream at /dev/null so the interpreter's final flush
-    stays quiet."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, stream.fileno())
-    os.close(devnull)

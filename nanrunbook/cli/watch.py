@@ -180,20 +180,16 @@ def _follow(
     until_step: int | None,
     options: _Options,
 ) -> int:
-    from nanrunbook.cli.judge import silence
+    from nanrunbook.cli._streams import reader_gone
+    from nanrunbook.cli.judge import emit
     from nanrunbook.telemetry.reader import TelemetryUnreadable
     from nanrunbook.telemetry.summary import Summariser
     from nanrunbook.telemetry.watch import FollowInterrupted, follow
 
     def on_event(event: WatchEvent) -> bool:
         """False once standard output has gone away (``| head``): stop following."""
-        try:
-            options.renderer.watch_event(event, sys.stdout)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            silence(sys.stdout)
-            return False
-        return True
+        emit(functools.partial(options.renderer.watch_event, event, sys.stdout), sys.stdout)
+        return not reader_gone(sys.stdout)
 
     summariser = Summariser(str(telemetry), since=since, window=window)
     try:

@@ -57,6 +57,16 @@ def _member_name(name: str) -> str:
     return name if IDENTIFIER.fullmatch(name) else "[?]"
 
 
+def _run_directory_lines(result: IncidentSet) -> list[str]:
+    """Appended last when the set looks like a run directory: its members' steps,
+    in order (``run_directory_steps=13,20``); check each member on its own."""
+    incidents = result.run_incidents
+    if not incidents:
+        return []
+    steps = (str(i.step) if i.step is not None else "none" for i in incidents)
+    return [f"run_directory_steps={','.join(steps)}"]
+
+
 def _write(lines: list[str], out: IO[str]) -> None:
     out.write("\n".join(lines) + "\n")
 
@@ -85,6 +95,13 @@ class KvRenderer(Renderer):
             f"warnings={len(report.warnings)}",
             *(f"warning={w.code} {w.stage}#{w.index}" for w in report.warnings),
         ]
+        if report.alone is not None:  # appended: one rank of a set, checked alone
+            lines += [
+                f"set_member_warning={report.alone.warning}",
+                f"set_rank={report.alone.rank}",
+                f"set_world_size={report.alone.world_size}",
+                f"set_path={kv_where(report.alone.set_path)}",
+            ]
         _write(lines, out)
 
     def rejection(
@@ -149,6 +166,10 @@ class KvRenderer(Renderer):
             f"verdict={result.verdict}",
             f"outcome={result.outcome or 'none'}",
             f"first_divergence_stage={first.base_stage if first else 'none'}",
+            # appended after the first lines: one content id on both sides, and
+            # one directory on both sides (exit 2)
+            f"same_evidence={'true' if result.same_evidence else 'false'}",
+            f"same_bundle={'true' if result.same_bundle else 'false'}",
         ]
         _write(lines, out)
 
@@ -161,7 +182,7 @@ class KvRenderer(Renderer):
         if result.decision == REJECTED:
             lines += ["decision=REJECTED", f"violations={len(result.violations)}"]
             lines += [f"violation={v.code} {kv_set_where(v)}" for v in result.violations]
-            _write(lines, out)
+            _write(lines + _run_directory_lines(result), out)
             return
         lines += [
             f"run={result.run_id}",
@@ -184,6 +205,7 @@ class KvRenderer(Renderer):
                 for member in result.members
                 for code in member.warnings
             ),
+            *_run_directory_lines(result),
         ]
         _write(lines, out)
 

@@ -200,6 +200,9 @@ class TextRenderer(Renderer):
                     )
                 )
             return
+        if result.same_bundle:
+            _diff_same_bundle(console, result)
+            return
         _diff_heading(console, result)
         _diff_changes(console, result)
         _diff_divergence(console, result)
@@ -216,6 +219,7 @@ class TextRenderer(Renderer):
             _print_unwrapped(console, [headline, *_brief_set_lines(result)])
             return
         console.print(headline)
+        _run_directory_note(console, result)
         if result.decision == REJECTED:
             _print_set_rejection(console, result)
         else:
@@ -456,10 +460,22 @@ def _verdict_facts(report: Report) -> list[tuple[str, str]]:
     evidence = _shorten_digests(manifest.evidence_content_id)
     if manifest.evidence_id != f"{manifest.run_id}.step-{manifest.step}":
         evidence = f"{manifest.evidence_id} {evidence}"
+    alone = report.alone
+    member = []
+    if alone is not None:
+        member = [
+            (
+                "incident set",
+                f"rank {alone.rank} of {alone.world_size}: one member of a set, checked"
+                f" alone ({alone.warning}); check the set instead:"
+                f" nanrunbook check {alone.set_path}",
+            )
+        ]
     return [
         *facts,
         ("action", decision.action),
         ("root cause claim", decision.root_cause_claim),
+        *member,
         ("bundle", report.bundle),
         ("run", run),
         ("evidence", evidence),
@@ -496,8 +512,11 @@ def _brief_lines(report: Report) -> list[Any]:
 
 def _warnings_count(report: Report) -> str:
     """``2 (AT_DTYPE_MAX, NEAR_DTYPE_MAX)``: how many, and which codes."""
-    codes = ", ".join(dict.fromkeys(w.code for w in report.warnings))
-    return f"{len(report.warnings)} ({codes})" if codes else "0"
+    found = [w.code for w in report.warnings]
+    if report.alone is not None:
+        found.append(report.alone.warning)
+    codes = ", ".join(dict.fromkeys(found))
+    return f"{len(found)} ({codes})" if codes else "0"
 
 
 def _brief_violations(error: EvidenceRejected) -> list[Any]:
@@ -680,13 +699,20 @@ def _warnings_block(console: Any, report: Report, shown: int, *, lines: int = 0)
     from rich.text import Text
 
     warnings = report.warnings
+    alone = report.alone
     if not warnings:
+        if alone is not None:
+            return Text.assemble(("Warnings", "bold"), f": {alone.warning} (incident set, above)")
         return Text.assemble(("Warnings", "bold"), ": none")
-    heading = Text(f"Warnings ({len(warnings)}, upstream first)", style="bold")
+    total = len(warnings) + (alone is not None)
+    heading = Text(f"Warnings ({total}, upstream first)", style="bold")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True, style="yellow")
     grid.add_column(overflow="fold")
     codes = max(len(w.code) for w in warnings[:shown]) if shown else 0
+    if alone is not None:
+        codes = max(codes, len(alone.warning))
+        grid.add_row(alone.warning, "this bundle alone: see incident set, above")
     width = console.width - 2 - codes - 2  # indent, code, padding
     for warning in warnings[:shown]:
         where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
@@ -794,6 +820,56 @@ _OUTCOME_MEANING = {
 _LISTED = 10  # tensors listed by name in the text view; json lists them all
 
 
+_RUN_INCIDENTS_SHOWN = 10
+
+
+def _run_directory_note(console: Any, result: IncidentSet) -> None:
+    """A set that looks like a run directory (the sentinel's
+    ``incident/<run>/<step>/``): the verdict stands, and the note says which
+    incidents it holds, by step, and what to check instead."""
+    from rich.text import Text
+
+    incidents = result.run_incidents
+    if not incidents:
+        return
+    several = len({i.step for i in incidents}) > 1
+    kind = "incidents at different steps" if several else "single-rank incidents"
+    note = (
+        f"This looks like a run directory: its members are {kind} of run"
+        f" {result.run_id}, each a whole answer on its own. The verdict here"
+        " is the directory's, judged as one set (spec section 11). Check each"
+        " incident instead:"
+    )
+    _show(console, _indented(Text(note, style="yellow"), 2))
+    for incident in incidents[:_RUN_INCIDENTS_SHOWN]:
+        step = "-" if incident.step is None else str(incident.step)
+        line = f"step {step}  {incident.decision}  nanrunbook check {quote(incident.bundle)}"
+        _show(console, _indented(Text(line), 4))
+    hidden = len(incidents) - _RUN_INCIDENTS_SHOWN
+    if hidden > 0:
+        _show(console, _indented(Text(f"... {hidden} more (--format json: run_directory)"), 4))
+
+
+def _diff_same_bundle(console: Any, result: Comparison) -> None:
+    """One directory on both sides: no replay was compared, so no verdict."""
+    from rich.text import Text
+
+    console.print(
+        Text.assemble(
+            ("nanrunbook diff: ", "bold"),
+            ("SAME BUNDLE", "bold yellow"),
+            " - base and other are one directory, one evidence",
+        )
+    )
+    manifest = result.base.manifest
+    console.print(f"  evidence  {_short_id(manifest.evidence_content_id)} on both sides")
+    console.print(
+        f"  bundle    {manifest.run_id} step {manifest.step}, {result.base.decision.decision}"
+    )
+    console.print("  Nothing was compared (exit 2): give the original as BASE and the")
+    console.print("  replay's bundle as OTHER.")
+
+
 def _diff_heading(console: Any, result: Comparison) -> None:
     from rich.text import Text
 
@@ -825,6 +901,10 @@ def _diff_heading(console: Any, result: Comparison) -> None:
                 f"  {manifest.run_id} step {manifest.step}  {manifest.evidence_content_id}",
             )
         )
+    if result.same_evidence:
+        console.print("  note: both sides are the same evidence (one content id): a replay")
+        console.print("  that came out bit for bit, or a copy of BASE; the bundles cannot")
+        console.print("  tell which")
     if not result.same_run or not result.same_step:
         what = "runs" if not result.same_run else "steps"
         console.print(

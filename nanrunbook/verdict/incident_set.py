@@ -132,6 +132,17 @@ class SetViolation:
 
 
 @dataclass(frozen=True, slots=True)
+class RunIncident:
+    """One member of a directory that looks like a run directory: an incident of
+    its own, at ``step``, to be checked on its own at ``bundle``."""
+
+    step: int | None
+    member: str  # its name as shown
+    decision: str
+    bundle: str
+
+
+@dataclass(frozen=True, slots=True)
 class IncidentSet:
     """The set's verdict (spec section 11)."""
 
@@ -168,6 +179,33 @@ class IncidentSet:
         if fail_on_warnings and self.decision == CONTINUE and any(m.warnings for m in self.members):
             return Exit.WARNINGS
         return self.exit_code
+
+    @property
+    def run_incidents(self) -> tuple[RunIncident, ...]:
+        """The members by step when the checked directory looks like a run
+        directory rather than one incident set, else (). The sentinel writes a
+        single-rank run's incidents as ``incident/<run>/<step>/``: checked,
+        ``incident/<run>/`` is a set by spec section 11 (and its verdict stands),
+        but its members are single-rank bundles of one run that differ in step or
+        are named by their step, as the sentinel names them: incidents, each a
+        whole answer on its own. (A multi-rank run's steps are sets, not members;
+        ranks of one step that disagree on it are a broken set, not a run.)"""
+        declared = [member.declared for member in self.members]
+        runs = {d.run_id for d in declared if d.run_id is not None}
+        steps = {d.step for d in declared if d.step is not None}
+        named_by_step = all(m.name == str(m.declared.step) for m in self.members)
+        if (
+            not self.members
+            or len(runs) > 1
+            or not all(d.world_size == 1 for d in declared)
+            or not (len(steps) > 1 or named_by_step)
+        ):
+            return ()
+        incidents = (
+            RunIncident(m.declared.step, m.name, m.decision, str(m.document.get("bundle", "")))
+            for m in self.members
+        )
+        return tuple(sorted(incidents, key=lambda i: (i.step is None, i.step or 0, i.member)))
 
     @property
     def ranks_present(self) -> int:
@@ -388,6 +426,20 @@ def set_document(result: IncidentSet) -> dict[str, Any]:
         ],
         "members": [_member_document(m) for m in result.members],
         "nested_sets": list(result.nested_sets),
+        "run_directory": _run_directory_document(result),
+    }
+
+
+def _run_directory_document(result: IncidentSet) -> dict[str, Any] | None:
+    incidents = result.run_incidents
+    if not incidents:
+        return None
+    return {
+        "run_id": result.run_id,
+        "incidents": [
+            {"step": i.step, "member": i.member, "decision": i.decision, "bundle": i.bundle}
+            for i in incidents
+        ],
     }
 
 

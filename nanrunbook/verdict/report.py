@@ -30,9 +30,32 @@ from nanrunbook.verdict.evidence import reported_magnitude
 from nanrunbook.verdict.precision import headroom
 from nanrunbook.verdict.runbook import Section
 
-__all__ = ["REPORT_FORMAT", "Report", "path_text", "rejection_document", "report_document"]
+__all__ = [
+    "REPORT_FORMAT",
+    "SET_MEMBER_ALONE",
+    "CheckedAlone",
+    "Report",
+    "path_text",
+    "rejection_document",
+    "report_document",
+]
 
 REPORT_FORMAT = "nanrunbook-report/1"
+
+
+SET_MEMBER_ALONE = "SET_MEMBER_ALONE"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedAlone:
+    """A bundle whose topology says rank ``rank`` of ``world_size`` > 1, checked on
+    its own: one member of an incident set, whose verdict is ``set_path``'s (the
+    directory holding it). Marked by the warning SET_MEMBER_ALONE."""
+
+    rank: int
+    world_size: int
+    set_path: str
+    warning: str = SET_MEMBER_ALONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +73,14 @@ class Report:
     warnings: tuple[EarlyWarning, ...] = ()
     contract_version: str = CONTRACT_VERSION
     report_format: str = REPORT_FORMAT
+    # Set by the caller that checked this bundle alone (check_path), never by the
+    # check of its set: its own verdict is unchanged.
+    alone: CheckedAlone | None = None
+
+    @property
+    def warned(self) -> bool:
+        """Whether any warning stands: an early warning, or SET_MEMBER_ALONE."""
+        return bool(self.warnings) or self.alone is not None
 
     @property
     def exit_code(self) -> int:
@@ -59,7 +90,7 @@ class Report:
         """The process's exit code: the verdict's, except that a CONTINUE with
         warnings is WARNINGS (5) when the caller asked to fail on them. A HOLD
         stays HOLD: 5 never hides one."""
-        if fail_on_warnings and self.exit_code == Exit.CONTINUE and self.warnings:
+        if fail_on_warnings and self.exit_code == Exit.CONTINUE and self.warned:
             return Exit.WARNINGS
         return self.exit_code
 
@@ -208,6 +239,16 @@ def report_document(report: Report) -> dict[str, Any]:
             }
             for w in report.warnings
         ],
+        "set_member": None if report.alone is None else set_member_document(report.alone),
+    }
+
+
+def set_member_document(alone: CheckedAlone) -> dict[str, Any]:
+    return {
+        "rank": alone.rank,
+        "world_size": alone.world_size,
+        "set_path": path_text(alone.set_path),
+        "warning": alone.warning,
     }
 
 
