@@ -131,6 +131,7 @@ def test_warnings_only_exit_5_with_fail_on_warnings(runs: dict[str, Path], tmp_p
     assert kv(out)["warning"] == ["GRAD_NORM_SPIKE_FROM_THE_FUTURE 40 1 telemetry"]
     assert kv(out)["status"] == ["WARNINGS"]
     code, out = watch(str(path), "--no-plots")
+    out = " ".join(out.split())  # lines wrap at 80 columns
     assert "GRAD_NORM_SPIKE_FROM_THE_FUTURE" in out and "norm 9x the median" in out
 
 
