@@ -65,3 +65,31 @@ def test_the_held_line_of_a_rank_whose_own_bundle_is_clean() -> None:
     assert "another rank" not in alone and "did not come back on the replay" in alone
     held = held_line(7, Path("b"), check_bundle(FIXTURES / "hold-loss"))
     assert "checks HOLD at loss (first non-finite tensor " in held
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    from typer.testing import CliRunner
+
+    from nanrunbook.cli import app
+
+    result = CliRunner().invoke(app, list(args), prog_name="nanrunbook", env={"COLUMNS": "200"})
+    assert "Traceback" not in result.output
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_path_given_to_the_wrong_command_names_the_one_meant(tmp_path: Path) -> None:
+    root = make_set(tmp_path / "set", 2)
+    bundle = root / "rank-00000"
+    code, _, err = _cli("watch", str(bundle))
+    assert code == 3
+    assert f"is an evidence bundle, not telemetry: judge it with nanrunbook check '{bundle}'" in err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "telemetry-rank-00001.jsonl").write_text("")
+    code, _, err = _cli("watch", str(tmp_path / "run"))
+    assert code == 3 and "it holds 'telemetry-rank-00001.jsonl'" in err
+    code, out, _ = _cli("check", str(bundle / "manifest.json"))
+    assert code == 3 and f"(this is its manifest): nanrunbook check '{bundle}'" in out
+    code, out, _ = _cli("merge", str(root))
+    assert code == 3
+    assert "is a directory: merge reads the JSON reports 'nanrunbook check --format json'" in out
+    assert f"directory with nanrunbook check '{root}'" in out
