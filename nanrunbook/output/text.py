@@ -569,6 +569,9 @@ def _stage_notes(report: Report, *, recovery: bool) -> list[tuple[str, str]]:
             not_run.setdefault(stage.record.reason or "", []).append(stage.stage)
     notes += [("not run", f"{', '.join(names)}: {reason}") for reason, names in not_run.items()]
     notes.append(("loss scale", _scaler_text(report)))
+    learning_rate = _learning_rate_text(report)
+    if learning_rate is not None:
+        notes.append(("learning rate", learning_rate))
     if recovery:
         # The contract accepts a recovery point only when all five parts were verified together.
         lkg = report.manifest.last_known_good
@@ -577,6 +580,26 @@ def _stage_notes(report: Report, *, recovery: bool) -> list[tuple[str, str]]:
 
 
 _TOGETHER = "all five parts verified together"
+
+
+def _learning_rate_text(report: Report) -> str | None:
+    """The optimizer's learning rate as the bundle binds it (the sentinel records the
+    first parameter group's), with the scheduler; None when the bundle has none."""
+    details = report.manifest.binding.details
+    optimizer = details.get("optimizer", {})
+    lr = optimizer.get("lr")
+    if not isinstance(lr, int | float) or isinstance(lr, bool):
+        return None
+    text = number(float(lr))
+    groups = optimizer.get("param_groups")
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1:
+        text += f" (parameter group 0 of {groups})"
+    scheduler = details.get("scheduler", {})
+    kind = scheduler.get("class")
+    if isinstance(kind, str) and kind != "none":
+        epoch = scheduler.get("last_epoch")
+        text += f", scheduler {kind}" + (f" at epoch {epoch}" if isinstance(epoch, int) else "")
+    return text
 
 
 def _scaler_text(report: Report) -> str:
