@@ -221,3 +221,32 @@ def test_follower_rotation_truncation_and_disappearance(
     assert notices(items) == ["rotated"]
     assert records(items + tail.read_available()) == [6]
     assert tail.lines == 1  # line numbers start again in the new file
+
+
+def test_follow_waits_for_a_file_not_written_yet(tmp_path: Path, lines: list[bytes]) -> None:
+    """As tail -F does: the run starts after the watcher."""
+    path = tmp_path / "late.jsonl"
+    process = start(path, "--wait-for-file", "60", "--until-step", str(len(lines) - 1))
+    assert process.stdout is not None
+    first = process.stdout.readline()
+    assert first.startswith("event=waiting"), first
+    path.write_bytes(b"".join(lines))
+    code, out, err = finish(process)
+    assert code == 1, err  # the blow-up run holds
+    assert out[0].startswith("event=following") and f"records={len(lines)}" in out
+
+
+def test_follow_gives_up_on_a_missing_file_after_its_bound(tmp_path: Path) -> None:
+    started = time.monotonic()
+    process = start(tmp_path / "never.jsonl", "--wait-for-file", "0.5")
+    code, out, err = finish(process)
+    assert code == 3 and out == ["event=waiting"]
+    assert "never.jsonl: no such file after waiting 0.5 s for it" in err
+    assert time.monotonic() - started < 30
+    usage = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "watch", "x.jsonl", "--wait-for-file", "1"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert usage.returncode == 2 and "--wait-for-file: it needs --follow" in usage.stderr
