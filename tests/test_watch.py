@@ -546,3 +546,15 @@ def test_ranks_interleaved_keep_their_own_streaks(runs: dict[str, Path], tmp_pat
     assert single.scale.longest_backoff_streak is not None
     assert both.scale.longest_backoff_streak.length == single.scale.longest_backoff_streak.length
     assert both.step_regressions == 0
+
+
+def test_the_last_record_line_names_the_gradient_norm(runs: dict[str, Path]) -> None:
+    records = [r for r in read_telemetry(runs["healthy"]) if isinstance(r, TelemetryRecord)]
+    norm = records[-1].grad.norm
+    assert norm is not None
+    code, out = watch(str(runs["healthy"]), "--no-plots")
+    assert code == Exit.CONTINUE
+    said = " ".join(out.split())
+    assert (
+        f"step {records[-1].step}: loss " in said and f"grad norm {norm:.4g}, grad max abs" in said
+    )
