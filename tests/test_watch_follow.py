@@ -163,9 +163,10 @@ def test_ctrl_c_exits_130_with_the_summary(tmp_path: Path, lines: list[bytes]) -
 
 
 def test_following_a_missing_file_exits_3(tmp_path: Path) -> None:
+    """Waited for, as tail -F does, no longer than --stop-after-idle allows."""
     process = start(tmp_path / "absent.jsonl", "--stop-after-idle", "1")
     code, out, err = finish(process)
-    assert code == 3 and "no such file" in err and out == []
+    assert code == 3 and "no such file after waiting 1 s" in err and out == ["event=waiting"]
 
 
 # --------------------------------------------- the follower itself, step by step

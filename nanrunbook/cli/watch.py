@@ -130,7 +130,7 @@ def watch(
             parser=seconds,
             metavar="SECONDS",
             help="With --follow: wait this long for a file that does not exist yet"
-            f" (default {WAIT_FOR_FILE:g}); then exit 3.",
+            f" (default {WAIT_FOR_FILE:g}, or --stop-after-idle if shorter); then exit 3.",
             show_default=False,
         ),
     ] = None,
@@ -160,6 +160,8 @@ def watch(
     options = _Options(format.value, not no_plots, fail_on_warnings, plot_file)
     if follow:
         wait = WAIT_FOR_FILE if wait_for_file is None else wait_for_file
+        if stop_after_idle is not None and wait_for_file is None:
+            wait = min(wait, stop_after_idle)  # a file not there yet writes no line either
         code = _follow(telemetry, since, window, (stop_after_idle, until_step, wait), options)
     else:
         code = _once(telemetry, since, window, options)
