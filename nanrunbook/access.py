@@ -244,7 +244,11 @@ def require_directory(path: Path) -> None:
             "BUNDLE_NOT_FOUND", file_where(str(path)), err.strerror or "cannot stat"
         ) from None
     if not stat.S_ISDIR(info.st_mode):
-        raise _reject_at("BUNDLE_NOT_DIRECTORY", file_where(str(path)), "a bundle is a directory")
+        message = "a bundle is a directory"
+        if Path(path).name == "manifest.json":
+            bundle = str(Path(path).parent)
+            message += f" (this is its manifest): nanrunbook check {quote(bundle)}"
+        raise _reject_at("BUNDLE_NOT_DIRECTORY", file_where(str(path)), message)
 
 
 def read_manifest_bytes(bundle: Path) -> bytes:

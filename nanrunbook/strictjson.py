@@ -488,7 +488,8 @@ def load_manifest(raw: bytes) -> Parsed:
             "MANIFEST_NOT_UTF8", f"invalid UTF-8 at byte {err.start}"
         ) from None
     except json.JSONDecodeError as err:
-        message = f"{err.msg} at line {err.lineno} column {err.colno}"
+        # json's "Unterminated string starting at" ends in its own "at".
+        message = f"{err.msg.removesuffix(' at')} at line {err.lineno} column {err.colno}"
         if _ends_inside_a_value(raw):
             message += (
                 "; the file ends before its JSON does: it may be truncated or still being written"

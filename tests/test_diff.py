@@ -452,7 +452,7 @@ def test_a_rejected_side_names_itself_and_each_code(tmp_path: Path) -> None:
     assert both.value.codes == ("BUNDLE_NOT_FOUND", "COUNTS_RECOUNT_MISMATCH")
     text = run_renderer("text", both.value)
     assert text.startswith("nanrunbook diff: REJECTED - base and other rejected, 2 violations")
-    assert "  BUNDLE_NOT_FOUND base/" in text
+    assert "BUNDLE_NOT_FOUND base/" in " ".join(text.split())  # wrapped at 80 columns
 
 
 # ---------------------------------------------------------------------- CLI

@@ -176,12 +176,12 @@ def test_stage_table_has_a_dtype_column() -> None:
     assert rows["input"] == ["input", "F32,I64", "72", "0", "0", "0", "2"]
     assert rows["forward"][:6] == ["forward", "BF16", "160", "1", "1", "0"]
     assert rows["loss"] == ["loss", "NOT_RUN", "-", "-", "-", "-", "-"]
-    assert "  not run     loss, backward, optimizer: " in text
+    assert "  not run        loss, backward, optimizer: " in text
 
 
 def test_declared_counts_are_marked() -> None:
     text = render(check_bundle(FIXTURES / "hold-optimizer-summary"))
-    assert "  declared    optimizer: counts of a summary, not recounted" in text
+    assert "  declared       optimizer: counts of a summary, not recounted" in text
 
 
 # ---------------------------------------------------------------- the earliest stage
@@ -729,3 +729,21 @@ def test_checklist_option_prints_every_step_in_full() -> None:
         assert f" {section.title} " in flat
     assert "Input stage specifics" in done.stdout and "Next steps" not in done.stdout
     assert "nothing upstream" in flat and "Inspect upstream" not in flat
+
+
+def test_the_learning_rate_the_step_ran_with_is_on_screen(tmp_path: Path) -> None:
+    from diffkit import write_bundle
+
+    assert "learning rate  0.001\n" in render(check_bundle(FIXTURES / "hold-loss"))
+    bundle = write_bundle(
+        tmp_path / "groups",
+        changes={
+            "optimizer": {"lr": 2.5e-4, "param_groups": 3},
+            "scheduler": {"class": "CosineAnnealingLR", "last_epoch": 7},
+        },
+    )
+    report = check_bundle(bundle)
+    said = "learning rate 0.00025 (parameter group 0 of 3), scheduler CosineAnnealingLR at epoch 7"
+    for text in (render(report), render(report, checklist=True)):
+        assert said in " ".join(text.split())
+    assert max(len(line) for line in render(report).splitlines()) <= 80

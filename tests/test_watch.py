@@ -134,6 +134,7 @@ def test_warnings_only_exit_5_with_fail_on_warnings(runs: dict[str, Path], tmp_p
     assert kv(out)["warning"] == ["GRAD_NORM_SPIKE_FROM_THE_FUTURE 40 1 telemetry"]
     assert kv(out)["status"] == ["WARNINGS"]
     code, out = watch(str(path), "--no-plots")
+    out = " ".join(out.split())  # lines wrap at 80 columns
     assert "GRAD_NORM_SPIKE_FROM_THE_FUTURE" in out and "norm 9x the median" in out
 
 
@@ -549,3 +550,15 @@ def test_ranks_interleaved_keep_their_own_streaks(runs: dict[str, Path], tmp_pat
     assert single.scale.longest_backoff_streak is not None
     assert both.scale.longest_backoff_streak.length == single.scale.longest_backoff_streak.length
     assert both.step_regressions == 0
+
+
+def test_the_last_record_line_names_the_gradient_norm(runs: dict[str, Path]) -> None:
+    records = [r for r in read_telemetry(runs["healthy"]) if isinstance(r, TelemetryRecord)]
+    norm = records[-1].grad.norm
+    assert norm is not None
+    code, out = watch(str(runs["healthy"]), "--no-plots")
+    assert code == Exit.CONTINUE
+    said = " ".join(out.split())
+    assert (
+        f"step {records[-1].step}: loss " in said and f"grad norm {norm:.4g}, grad max abs" in said
+    )

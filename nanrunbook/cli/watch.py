@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["watch"]
 
+WAIT_FOR_FILE = 300.0  # seconds --follow waits for a file not yet written (a run starting)
+
 
 class WatchFormat(StrEnum):
     text = "text"
@@ -122,6 +124,16 @@ def watch(
             parser=step_number, metavar="STEP", help="With --follow: stop once this step is read."
         ),
     ] = None,
+    wait_for_file: Annotated[
+        float | None,
+        typer.Option(
+            parser=seconds,
+            metavar="SECONDS",
+            help="With --follow: wait this long for a file that does not exist yet"
+            f" (default {WAIT_FOR_FILE:g}, or --stop-after-idle if shorter); then exit 3.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Summarise a run's telemetry: exit 1 on a held update or non-finite step, else 0.
 
@@ -134,15 +146,23 @@ def watch(
 
     Example: nanrunbook watch run/telemetry.jsonl --format kv
     """
-    if not follow and (stop_after_idle is not None or until_step is not None):
-        option = "--stop-after-idle" if stop_after_idle is not None else "--until-step"
-        raise typer.BadParameter("it needs --follow", param_hint=option)
+    needs_follow = {
+        "--stop-after-idle": stop_after_idle,
+        "--until-step": until_step,
+        "--wait-for-file": wait_for_file,
+    }
+    given = [option for option, value in needs_follow.items() if value is not None]
+    if not follow and given:
+        raise typer.BadParameter("it needs --follow", param_hint=given[0])
     # main() paused the cyclic collector for a one-shot command; a run followed for
     # hours, or a file of millions of lines, needs it.
     gc.enable()
     options = _Options(format.value, not no_plots, fail_on_warnings, plot_file)
     if follow:
-        code = _follow(telemetry, since, window, stop_after_idle, until_step, options)
+        wait = WAIT_FOR_FILE if wait_for_file is None else wait_for_file
+        if stop_after_idle is not None and wait_for_file is None:
+            wait = min(wait, stop_after_idle)  # a file not there yet writes no line either
+        code = _follow(telemetry, since, window, (stop_after_idle, until_step, wait), options)
     else:
         code = _once(telemetry, since, window, options)
     raise typer.Exit(code)
@@ -176,8 +196,7 @@ def _follow(
     telemetry: Path,
     since: int | None,
     window: int,
-    stop_after_idle: float | None,
-    until_step: int | None,
+    stops: tuple[float | None, int | None, float],
     options: _Options,
 ) -> int:
     from nanrunbook.cli._streams import reader_gone
@@ -193,8 +212,13 @@ def _follow(
 
     summariser = Summariser(str(telemetry), since=since, window=window)
     try:
+        stop_after_idle, until_step, wait_for_file = stops
         summary = follow(
-            summariser, on_event, stop_after_idle=stop_after_idle, until_step=until_step
+            summariser,
+            on_event,
+            stop_after_idle=stop_after_idle,
+            until_step=until_step,
+            wait_for_file=wait_for_file,
         )
     except TelemetryUnreadable as error:
         sys.stderr.write(f"nanrunbook watch: cannot read {error}\n")

@@ -105,7 +105,7 @@ def watch_panels(summary: WatchSummary) -> tuple[Panel, ...]:
     buckets = summary.series
     steps = [b.first_step for b in buckets] + [b.last_step for b in buckets]
     x_range = (float(min(steps)), float(max(steps))) if steps else (0.0, 1.0)
-    dtype = summary.headroom.dtype if summary.headroom is not None else "its dtype"
+    dtype = f"the {summary.headroom.dtype}" if summary.headroom is not None else "its dtype's"
     panels = [
         _loss_panel(buckets, x_range),
         Panel(
@@ -115,7 +115,7 @@ def watch_panels(summary: WatchSummary) -> tuple[Panel, ...]:
             x_range,
         ),
         Panel(
-            f"gradient headroom, bits below the {dtype} max (least per bucket)",
+            f"gradient headroom, bits below {dtype} max (least per bucket)",
             "bits",
             (_trace("headroom", [(b.last_step, b.headroom_min) for b in buckets]),),
             x_range,

@@ -150,11 +150,7 @@ class TextRenderer(Renderer):
         _show(console, headline)
         _show(console, _grid([("bundle", Text(bundle))]))
         for violation in error.violations:
-            _show(
-                console,
-                _indented(Text.assemble((violation.code, "yellow"), f" {violation.where}"), 2),
-            )
-            _show(console, _indented(Text(_shorten_digests(violation.message)), 4))
+            _show_violation(console, violation.code, violation.where, violation.message)
 
     def checklist(self, sections: tuple[Section, ...], out: IO[str]) -> None:
         console = self._console(out)
@@ -184,21 +180,17 @@ class TextRenderer(Renderer):
         console = self._console(out)
         if isinstance(result, ComparisonRejected):
             count = len(result.violations)
-            console.print(
+            _show(
+                console,
                 Text.assemble(
                     ("nanrunbook diff: ", "bold"),
                     ("REJECTED", "bold yellow"),
                     f" - {' and '.join(result.sides)} rejected, {count} violation"
                     f"{'s' if count != 1 else ''}; no comparison is made",
-                )
+                ),
             )
             for violation in result.violations:
-                console.print(
-                    Text.assemble(
-                        ("  " + violation.code, "yellow"),
-                        f" {violation.where}: {violation.message}",
-                    )
-                )
+                _show_violation(console, violation.code, violation.where, violation.message)
             return
         if result.same_bundle:
             _diff_same_bundle(console, result)
@@ -218,50 +210,43 @@ class TextRenderer(Renderer):
         if self.brief:
             _print_unwrapped(console, [headline, *_brief_set_lines(result)])
             return
-        console.print(headline)
+        _show(console, headline)
         _run_directory_note(console, result)
         if result.decision == REJECTED:
             _print_set_rejection(console, result)
         else:
-            facts = _set_facts(result)
-            width = max(len(label) for label, _ in facts)
-            for label, value in facts:
-                console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
-            console.print(Text("  The symptom's location is not its cause.", style="italic"))
-        console.print()
-        for line in _rank_lines(result):
-            console.print(line)
+            _show(console, _grid(_set_facts(result)))
+            _show(console, Text("  The symptom's location is not its cause.", style="italic"))
+        _show(console)
+        _show(console, _rank_table(console, result))
         if result.nested_sets:
-            console.print(Text(_nested_note(result), style="yellow"))
+            _show(console, Text(_nested_note(result), style="yellow"))
         if result.path is not None and result.members:
             command = f"nanrunbook check --format json {quote(result.path)}"
-            console.print(Text(f"Every member's whole report: {command}"))
+            _show(console, Text(f"Every member's whole report: {command}"))
         if result.decision == HOLD:
-            console.print(
+            _show(
+                console,
                 Text(
                     "Containment: hold the update on every rank, preserve each rank's boundary,"
                     " mark the last known-good state, choose replay authority; replay from the"
                     " origin ranks (full runbook: nanrunbook checklist --stage"
                     f" {result.earliest_nonfinite_stage})."
-                )
+                ),
             )
 
     def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
         from rich.text import Text
 
         console = self._console(out)
-        width = max(len(_outcome_decision(o)) for o in outcomes)
+        rows = []
         for outcome in outcomes:
             decision = _outcome_decision(outcome)
-            console.print(
-                Text.assemble(
-                    (f"{decision:<{width}}", _DECISION_STYLE.get(decision, "")),
-                    f"  {_outcome_line(outcome)}",
-                )
-            )
+            rows.append((Text(decision, _DECISION_STYLE.get(decision, "")), _outcome_line(outcome)))
+        _show(console, _grid(rows, indent=0, label_style=""))
         counts = {d: sum(_outcome_decision(o) == d for o in outcomes) for d in _DECISION_STYLE}
         tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
-        console.print(Text(f"{len(outcomes)} checked: {tally}; exit {exit_code}, the most severe"))
+        _show(console, Text(f"{len(outcomes)} checked: {tally}; exit {exit_code}, the most severe"))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from rich.text import Text
@@ -271,21 +256,19 @@ class TextRenderer(Renderer):
         console = self._console(out)
         style = {"ALARM": "bold red", "WARNINGS": "bold yellow", "OK": "bold green"}
         status = summary.status
-        console.print(
+        _show(
+            console,
             Text.assemble(
                 ("nanrunbook watch: ", "bold"),
                 (status, style.get(status, "bold")),
                 f" - {STATUS_MEANING[status]}",
-            )
+            ),
         )
-        facts = summary_facts(summary)
-        width = max(len(label) for label, _ in facts)
-        for label, value in facts:
-            console.print(Text.assemble((f"  {label:<{width}}  ", "dim"), value))
+        _show(console, _grid(summary_facts(summary)))
         for heading, lines in summary_sections(summary):
-            console.print(Text(heading, style="bold"))
+            _show(console, Text(heading, style="bold"))
             for line in lines:
-                console.print(Text("  " + line))
+                _show(console, _indented(Text(line), 2))
         if plots and summary.series:
             self._watch_plots(console, summary)
 
@@ -299,13 +282,13 @@ class TextRenderer(Renderer):
         marks = watch_marks(summary)
         if marks:
             legend = "; ".join(mark.label for mark in marks)
-            console.print(Text(f"Vertical lines: {legend}", style="dim"))
+            _show(console, Text(f"Vertical lines: {legend}", style="dim"))
         for panel in watch_panels(summary):
-            console.print()
+            _show(console)
             lines = terminal_plot(panel, marks, colour=colour)
-            console.print(Text(lines[0], style="bold"))
+            _show(console, Text(lines[0], style="bold"))
             for line in lines[1:]:
-                console.print(Text.from_ansi(line) if colour else Text(line))
+                _show(console, Text.from_ansi(line) if colour else Text(line))
 
     def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
         from rich.text import Text
@@ -314,7 +297,7 @@ class TextRenderer(Renderer):
 
         style = {"hold": "bold red", "nonfinite": "bold red", "warning": "yellow"}
         console = self._console(out)
-        console.print(Text(event_line(event), style=style.get(event.kind, "")))
+        _show(console, Text(event_line(event), style=style.get(event.kind, "")))
         out.flush()
 
 
@@ -336,13 +319,13 @@ def _indented(text: Any, left: int) -> Any:
     return Padding(text, (0, 0, 0, left))
 
 
-def _grid(rows: list[tuple[str, Any]], *, indent: int = 2) -> Any:
+def _grid(rows: Sequence[tuple[Any, Any]], *, indent: int = 2, label_style: str = "dim") -> Any:
     """Label/value lines; a long value wraps under itself, not under its label."""
     from rich.table import Table
     from rich.text import Text
 
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(no_wrap=True, style=label_style)
     grid.add_column(overflow="fold")
     for label, value in rows:
         grid.add_row(label, value if isinstance(value, Text) else Text(str(value)))
@@ -356,6 +339,14 @@ def _fact_line(label: str, value: str) -> Any:
     from rich.text import Text
 
     return Text.assemble((f"  {label:<{_BRIEF_LABEL_WIDTH}}  ", "dim"), value)
+
+
+def _show_violation(console: Any, code: str, where: str, message: str) -> None:
+    """A violation as check shows one: its code and where, its message under them."""
+    from rich.text import Text
+
+    _show(console, _indented(Text.assemble((code, "yellow"), f" {where}"), 2))
+    _show(console, _indented(Text(_shorten_digests(message)), 4))
 
 
 def _print_unwrapped(console: Any, lines: list[Any]) -> None:
@@ -597,6 +588,9 @@ def _stage_notes(report: Report, *, recovery: bool) -> list[tuple[str, str]]:
             not_run.setdefault(stage.record.reason or "", []).append(stage.stage)
     notes += [("not run", f"{', '.join(names)}: {reason}") for reason, names in not_run.items()]
     notes.append(("loss scale", _scaler_text(report)))
+    learning_rate = _learning_rate_text(report)
+    if learning_rate is not None:
+        notes.append(("learning rate", learning_rate))
     if recovery:
         # The contract accepts a recovery point only when all five parts were verified together.
         lkg = report.manifest.last_known_good
@@ -605,6 +599,26 @@ def _stage_notes(report: Report, *, recovery: bool) -> list[tuple[str, str]]:
 
 
 _TOGETHER = "all five parts verified together"
+
+
+def _learning_rate_text(report: Report) -> str | None:
+    """The optimizer's learning rate as the bundle binds it (the sentinel records the
+    first parameter group's), with the scheduler; None when the bundle has none."""
+    details = report.manifest.binding.details
+    optimizer = details.get("optimizer", {})
+    lr = optimizer.get("lr")
+    if not isinstance(lr, int | float) or isinstance(lr, bool):
+        return None
+    text = number(float(lr))
+    groups = optimizer.get("param_groups")
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 1:
+        text += f" (parameter group 0 of {groups})"
+    scheduler = details.get("scheduler", {})
+    kind = scheduler.get("class")
+    if isinstance(kind, str) and kind != "none":
+        epoch = scheduler.get("last_epoch")
+        text += f", scheduler {kind}" + (f" at epoch {epoch}" if isinstance(epoch, int) else "")
+    return text
 
 
 def _scaler_text(report: Report) -> str:
@@ -879,7 +893,7 @@ def _diff_heading(console: Any, result: Comparison) -> None:
         head.append(f" {result.changed[0]}: ")
         head.append(result.outcome, style="bold")
         head.append(f" ({_OUTCOME_MEANING[result.outcome]})")
-    console.print(head)
+    _show(console, head)
     meaning = _DIFF_MEANING[verdict]
     if verdict == "REPRODUCED" and result.first_divergence is not None:
         meaning += ", though not bit for bit (see the first divergence)"
@@ -887,19 +901,20 @@ def _diff_heading(console: Any, result: Comparison) -> None:
         meaning += " (the decision differs)"
     elif result.not_reproduced is not None:
         meaning += " (the earliest non-finite stage differs)"
-    console.print(Text(f"  {meaning}"))
+    _show(console, Text(f"  {meaning}"))
     for side, report in (("base", result.base), ("other", result.other)):
         decision = report.decision
         where = (
             f" at {decision.earliest_nonfinite_stage}" if decision.earliest_nonfinite_stage else ""
         )
         manifest = report.manifest
-        console.print(
+        _show(
+            console,
             Text.assemble(
                 (f"  {side:<5}  ", "dim"),
                 (f"{decision.decision}{where}", "red" if decision.decision == HOLD else "green"),
-                f"  {manifest.run_id} step {manifest.step}  {manifest.evidence_content_id}",
-            )
+                f"  {manifest.run_id} step {manifest.step}  {_short_id(manifest.evidence_content_id)}",
+            ),
         )
     if result.same_evidence:
         console.print("  note: both sides are the same evidence (one content id): a replay")
@@ -907,8 +922,9 @@ def _diff_heading(console: Any, result: Comparison) -> None:
         console.print("  tell which")
     if not result.same_run or not result.same_step:
         what = "runs" if not result.same_run else "steps"
-        console.print(
-            Text(f"  note: the bundles are of different {what}: identities, not mechanisms")
+        _show(
+            console,
+            Text(f"  note: the bundles are of different {what}: identities, not mechanisms"),
         )
 
 
@@ -916,14 +932,15 @@ def _diff_changes(console: Any, result: Comparison) -> None:
     from rich.text import Text
 
     for change in result.changes:
-        console.print(Text(f"Changed mechanism: {change.item}", style="bold"))
-        width = max(len(field) for field in change.fields)
+        _show(console, Text(f"Changed mechanism: {change.item}", style="bold"))
+        rows = []
         for field in change.fields:
             old = change.base.get(field, "(absent)")
             new = change.other.get(field, "(absent)")
-            console.print(Text(f"  {field:<{width}}  {old!s} -> {new!s}"))
+            rows.append((field, f"{old!s} -> {new!s}"))
+        _show(console, _grid(rows, label_style=""))
     if not result.changes:
-        console.print(Text("Changed mechanisms: none"))
+        _show(console, Text("Changed mechanisms: none"))
 
 
 def _tensor_line(tensor: TensorDiff) -> str:
@@ -964,9 +981,9 @@ def _diff_divergence(console: Any, result: Comparison) -> None:
         shown = "none: every tensor both hold is bit-identical"
         if any(t.status == "not_compared" for t in result.tensors):
             shown = "none among the tensors both hold with data (summaries are not compared)"
-        console.print(Text(f"First divergence: {shown}"))
+        _show(console, Text(f"First divergence: {shown}"))
         return
-    console.print(Text.assemble(("First divergence: ", "bold"), _tensor_line(first)))
+    _show(console, Text.assemble(("First divergence: ", "bold"), _tensor_line(first)))
 
 
 def _diff_stages(console: Any, result: Comparison) -> None:
@@ -990,7 +1007,7 @@ def _diff_stages(console: Any, result: Comparison) -> None:
             f.counts is not None and f.counts.nonfinite for f in (stage.base, stage.other)
         )
         table.add_row(*(Text(c) for c in cells), style="red" if nonfinite else "")
-    console.print(table)
+    _show(console, table)
 
 
 def _stage_counts(finding: StageFinding) -> str:
@@ -1005,18 +1022,18 @@ def _diff_tensor_lists(console: Any, result: Comparison) -> None:
 
     differing = [t for t in result.tensors if t.differs]
     if len(differing) > 1:
-        console.print(Text(f"Differing tensors ({len(differing)}):", style="bold"))
+        _show(console, Text(f"Differing tensors ({len(differing)}):", style="bold"))
         for tensor in differing[:_LISTED]:
-            console.print(Text(f"  {_tensor_line(tensor)}"))
+            _show(console, Text(f"  {_tensor_line(tensor)}"))
         if len(differing) > _LISTED:
-            console.print(Text(f"  and {len(differing) - _LISTED} more (--format json lists all)"))
+            _show(console, Text(f"  and {len(differing) - _LISTED} more (--format json lists all)"))
     for side, tensors in (("base", result.base_only), ("other", result.other_only)):
         if not tensors:
             continue
         names = ", ".join(f"{t.name} ({t.stage})" for t in tensors[:_LISTED])
         more = f" and {len(tensors) - _LISTED} more" if len(tensors) > _LISTED else ""
-        console.print(Text(f"Only in {side} ({len(tensors)}): {names}{more}"))
-    console.print(Text("  The symptom's location is not its cause.", style="italic"))
+        _show(console, Text(f"Only in {side} ({len(tensors)}): {names}{more}"))
+    _show(console, Text("  The symptom's location is not its cause.", style="italic"))
 
 
 _DECISION_STYLE = {
@@ -1049,10 +1066,11 @@ def _set_headline(result: IncidentSet) -> tuple[Any, ...]:
         f"world size {result.world_size}" if result.world_size is not None else "world size unknown"
     )
     if result.decision == REJECTED:
-        count = len(result.violations)
+        count, members = len(result.violations), len(result.members)
         return (
             ("REJECTED", "bold yellow"),
-            f" - incident set {where}, {len(result.members)} members, {size}: {count}"
+            f" - incident set {where}, {members} member{'s' if members != 1 else ''}, {size}:"
+            f" {count}"
             f" violation{'s' if count != 1 else ''}; no decision is made on this set",
         )
     style = _DECISION_STYLE[result.decision]
@@ -1107,18 +1125,15 @@ def _print_set_rejection(console: Any, result: IncidentSet) -> None:
 
     split = any(v.code in _MISMATCHES for v in result.violations)
     if split:
-        console.print(Text(_what_it_holds(result)))
+        _show(console, Text(_what_it_holds(result)))
     shown = [v for v in result.violations if not split or v.path is None]
     for violation in shown:
-        console.print(
-            Text.assemble(
-                ("  " + violation.code, "yellow"), f" {violation.where}: {violation.message}"
-            )
-        )
+        _show_violation(console, violation.code, violation.where, violation.message)
     hidden = len(result.violations) - len(shown)
     if hidden:
-        console.print(
-            Text(f"  and {hidden} violations of rejected members (--format json or kv lists them)")
+        _show(
+            console,
+            Text(f"  and {hidden} violations of rejected members (--format json or kv lists them)"),
         )
 
 
@@ -1152,10 +1167,12 @@ def _what_it_holds(result: IncidentSet) -> str:
     )
 
 
-def _rank_lines(result: IncidentSet) -> list[Any]:
-    """One line per rank, in rank order: members, runs of missing ranks, then members
-    that declare no rank. Columns are padded; the last is free, so names and
-    messages stay whole (one log line each)."""
+def _rank_table(console: Any, result: IncidentSet) -> Any:
+    """One row per rank, in rank order: members, runs of missing ranks, then members
+    that declare no rank. Columns are padded; the last, the first non-finite tensor
+    or violation, ends the row where the row fits the console's width, and goes
+    on a line of its own under its row (wrapped there) where it does not."""
+    from rich.console import Group
     from rich.text import Text
 
     split = any(v.code in _MISMATCHES for v in result.violations)
@@ -1169,14 +1186,21 @@ def _rank_lines(result: IncidentSet) -> list[Any]:
             rows.append(_missing_row(missing.pop(0), split))
         rows.append(_member_row(member, split, member.rank in origin))
     rows += [_missing_row(run, split) for run in missing]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     decision = header.index("decision")
-    lines = [Text("Ranks", style="bold")]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    fixed = 2 + sum(width + 2 for width in widths)
+    one_line = fixed + max(len(row[-1]) for row in [header, *rows]) <= console.width
+    lines: list[Any] = [Text("Ranks", style="bold")]
     for index, row in enumerate([header, *rows]):
-        cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
         style = "dim" if index == 0 else _ROW_STYLE.get(row[decision], "")
-        lines.append(Text("  " + "  ".join([*cells, row[-1]]).rstrip(), style=style))
-    return lines
+        cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
+        if one_line:
+            lines.append(Text("  " + "  ".join([*cells, row[-1]]).rstrip(), style=style))
+            continue
+        lines.append(Text("  " + "  ".join(cells).rstrip(), style=style))
+        if row[-1] not in ("", "-"):
+            lines.append(_indented(Text(row[-1], style=style), 6))
+    return Group(*lines)
 
 
 _ROW_STYLE = {REJECTED: "yellow", HOLD: "red", "missing": "yellow"}

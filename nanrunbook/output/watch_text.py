@@ -134,7 +134,8 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         facts.append(
             (
                 "last record",
-                f"step {last.step}: loss {loss}, grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}",
+                f"step {last.step}: loss {loss}, grad norm {_g(last.grad.norm)},"
+                f" grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}",
             )
         )
     if summary.bundles:

@@ -145,10 +145,27 @@ def open_telemetry(path: Path) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        what = "is a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise TelemetryUnreadable(f"{path}: {what}, not a telemetry file")
+        if stat.S_ISDIR(mode):
+            raise TelemetryUnreadable(f"{path}: {_directory_meant(path)}")
+        raise TelemetryUnreadable(f"{path}: not a regular file, not a telemetry file")
     os.set_blocking(fd, True)
     return fd
+
+
+def _directory_meant(path: Path) -> str:
+    """What a directory given for telemetry most likely meant."""
+    from nanrunbook.errors import quote
+
+    if (path / "manifest.json").exists():
+        return (
+            "is an evidence bundle, not telemetry: judge it with"
+            f" nanrunbook check {quote(str(path))}"
+        )
+    found = sorted(path.glob("telemetry*.jsonl"))[:3]
+    if found:
+        named = ", ".join(quote(p.name) for p in found)
+        return f"is a directory, not a telemetry file; it holds {named}"
+    return "is a directory, not a telemetry file"
 
 
 class TelemetryReader:

@@ -643,9 +643,12 @@ class Summariser:
                 code = "OTHER_CODES"
                 message = f"(more than {MAX_CODES} distinct codes) {message}"
             tally = self._tallies.setdefault(code, _Tally(code, step, message, source))
+        # A follower is told a warning at its onset, and again only after a step
+        # without it: a trend warned every step would drown the stream.
+        onset = tally.count == 0 or step > tally.last + 1
         tally.count += 1
         tally.last = step
-        if events is not None:
+        if events is not None and onset:
             events.append(WatchEvent("warning", message, step=step, code=code, source=source))
 
     def _derived_warnings(

@@ -10,7 +10,13 @@ from typing import Any
 import msgspec
 
 from nanrunbook.telemetry.follow import Follower, FollowNotice
-from nanrunbook.telemetry.reader import BadLine, IncompleteLine, TelemetryReader, parse_line
+from nanrunbook.telemetry.reader import (
+    BadLine,
+    IncompleteLine,
+    TelemetryReader,
+    TelemetryUnreadable,
+    parse_line,
+)
 from nanrunbook.telemetry.record import COMMON_LINE, CommonLine, TelemetryRecord
 from nanrunbook.telemetry.summary import DEFAULT_WINDOW, Summariser, WatchEvent, WatchSummary
 
@@ -112,6 +118,7 @@ def follow(
     poll_interval: float = 0.1,
     stop_after_idle: float | None = None,
     until_step: int | None = None,
+    wait_for_file: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> WatchSummary:
@@ -121,8 +128,13 @@ def follow(
     past ``until_step`` has been read, after ``stop_after_idle`` seconds without
     a new line, when ``on_event`` returns False (its reader went away), or
     never: Ctrl-C raises FollowInterrupted, which carries the summary of
-    everything read."""
-    follower = Follower(summariser.path)
+    everything read. A file that does not exist yet is waited for, as
+    ``tail -F`` does, for at most ``wait_for_file`` seconds (then
+    TelemetryUnreadable)."""
+    try:
+        follower = _when_it_exists(summariser, on_event, wait_for_file, poll_interval, clock, sleep)
+    except KeyboardInterrupt:
+        raise FollowInterrupted(summariser.summary(lines=0)) from None
     try:
         stop = False
         for item in follower.read_available():
@@ -149,6 +161,39 @@ def follow(
         follower.close()
     summariser.add_incomplete(follower.incomplete())
     return summariser.summary(lines=follower.lines)
+
+
+def _when_it_exists(
+    summariser: Summariser,
+    on_event: Callable[[WatchEvent], bool | None],
+    bound: float,
+    poll_interval: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> Follower:
+    """A Follower of ``summariser.path`` once the file exists, within ``bound`` seconds."""
+    started = clock()
+    said = False
+    while True:
+        try:
+            return Follower(summariser.path)
+        except TelemetryUnreadable:
+            if not bound or Path(summariser.path).exists() or Path(summariser.path).is_symlink():
+                raise
+            waited = clock() - started
+            if waited >= bound:
+                raise TelemetryUnreadable(
+                    f"{summariser.path}: no such file after waiting {bound:g} s for it"
+                ) from None
+            if not said:
+                message = (
+                    f"{summariser.path} does not exist yet; waiting up to {bound:g} s for it"
+                    " (--wait-for-file; Ctrl-C to stop)"
+                )
+                said = True
+                if on_event(summariser.notice("waiting", message)) is False:
+                    raise
+        sleep(min(poll_interval, max(bound - waited, 0.0)))
 
 
 def _reached(item: Item, until_step: int | None) -> bool:

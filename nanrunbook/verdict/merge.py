@@ -78,6 +78,13 @@ def _members_of_file(path: Path) -> list[SetMember]:
     name = file_where(path.name or str(path))
     try:
         raw = _read(path)
+    except IsADirectoryError:
+        reason = (
+            f"report {quote(str(path))} is a directory: merge reads the JSON reports"
+            " 'nanrunbook check --format json' writes; judge a bundle or an incident set"
+            f" directory with nanrunbook check {quote(str(path))}"
+        )
+        return [_invalid(name, "$", reason, "REPORT_UNREADABLE")]
     except OSError as err:
         reason = err.strerror or type(err).__name__
         return [_invalid(name, "$", f"report {quote(str(path))}: {reason}", "REPORT_UNREADABLE")]

@@ -314,6 +314,7 @@ class Decisions:
             self.last_known_good,
             self.incident_dir,
             self.ranks.rank if self.ranks.several else None,
+            peer=stage is None,  # only another rank's outcome names no stage
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report

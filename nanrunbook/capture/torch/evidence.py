@@ -28,6 +28,7 @@ from nanrunbook.capture.torch.replay import (
 from nanrunbook.capture.torch.steps import StepRecord
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.records import STAGE_ORDER
+from nanrunbook.verdict.report import Report
 
 __all__ = ["Captured", "StepObjects", "capture_step"]
 
@@ -135,10 +136,13 @@ def capture_step(
     last_known_good: Mapping[str, Any],
     root: Path,
     rank: int | None,
+    *,
+    peer: bool = False,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle, check it. Never raises: a capture that
-    fails is reported, and the hold stands without it."""
+    fails is reported, and the hold stands without it. ``peer``: the step holds
+    because another rank's values went non-finite."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -174,15 +178,28 @@ def capture_step(
     except Exception as error:  # the hold must stand whatever the capture hits
         log.exception("step %d: capture failed", record.number)
         return Captured(None, None, f"{type(error).__name__}: {error}")
-    decision = report.decision
-    log.error(
-        "step %d held; bundle %s checks %s at %s (first non-finite tensor %s)",
-        record.number,
-        target,
-        decision.decision,
-        decision.earliest_nonfinite_stage or "no stage",
-        decision.first_nonfinite_tensor,
-    )
+    log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
         log.error("step %d: %s", record.number, note)
     return Captured(target, report, None, tuple(notes))
+
+
+def held_line(step: int, target: Path, report: Report, *, peer: bool = False) -> str:
+    """The log line for a held step whose bundle was written and checked."""
+    decision = report.decision
+    if decision.earliest_nonfinite_stage is None:
+        checks = f"bundle {target} checks {decision.decision}"
+        if peer:  # every rank holds when any rank's values went non-finite
+            return (
+                f"step {step} held because another rank's values went non-finite; this"
+                f" rank's {checks}: every value it captured is finite"
+            )
+        return (
+            f"step {step} held; {checks}: every value its replay captured is finite"
+            " (the non-finite values did not come back on the replay)"
+        )
+    tensor = decision.first_nonfinite_tensor or "unknown (a summary stage)"
+    return (
+        f"step {step} held; bundle {target} checks {decision.decision} at"
+        f" {decision.earliest_nonfinite_stage} (first non-finite tensor {tensor})"
+    )
