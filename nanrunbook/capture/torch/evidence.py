@@ -12,7 +12,7 @@ from typing import Any
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
-from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
+from nanrunbook.capture.torch.binding import model_binding, scheduler_binding, topology_binding
 from nanrunbook.capture.torch.replay import Scaling, StepRecipe, bind, replay
 from nanrunbook.capture.torch.steps import StepRecord
 from nanrunbook.errors import EvidenceRejected
@@ -71,9 +71,13 @@ def capture_step(
     last_known_good: Mapping[str, Any],
     root: Path,
     rank: int | None,
+    attempt: int | None = None,
+    topology: Mapping[str, Any] | None = None,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
-    pre-step state), write its bundle, check it. Never raises: a capture that
+    pre-step state), write its bundle (as ``rank`` of the job, into the
+    incident directory's ``attempt``, default the first free; ``topology``: more
+    of the topology item, the voting group's rank and size), check it. Never raises: a capture that
     fails is reported, and the hold stands without it."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
@@ -96,8 +100,10 @@ def capture_step(
             last_known_good=last_known_good,
         )
         derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}
+        if topology is not None:
+            derived["topology"] = {**topology_binding(), **topology}
         bind(replayed, objects.model, objects.optimizer, facts.binding(record.number), derived)
-        target = incident_bundle_path(root, facts.run_id, record.number, rank)
+        target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)
         target.parent.mkdir(parents=True, exist_ok=True)
         report = replayed.writer.write_checked(target)
     except EvidenceRejected as error:
