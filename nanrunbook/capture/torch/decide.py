@@ -350,11 +350,16 @@ class Decisions:
         self._skip_update = self._skip_scheduler = True
 
     def _hold(
-        self, step: StepRecord, reason: str, stage: str | None, attempt: int = 0
+        self,
+        step: StepRecord,
+        reason: str,
+        stage: str | None,
+        attempt: int = 0,
+        skipped: StepRecord | None = None,
     ) -> SentinelHold:
-        """Capture the step's bundle, write its line, then exchange the ranks'
-        verdicts (after the line: a hold whose exchange fails still left it);
-        the exception to raise."""
+        """Capture the step's bundle, write its line (and the line of ``skipped``,
+        the step run on it), then exchange the ranks' verdicts (after the lines:
+        a hold whose exchange fails still left them); the exception to raise."""
         self._held = True
         several = self.ranks.several
         captured = capture_step(
@@ -372,6 +377,8 @@ class Decisions:
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
         self._finish(step, held=True, bundle=captured.bundle)
+        if skipped is not None:
+            self._finish(skipped, skipped=True)
         origin = self.ranks.origin(
             decision.decision if decision else None, found, self._incident_key(step, attempt)
         )
@@ -477,10 +484,8 @@ class Decisions:
                 current.warnings += self._early.skipped(True)
                 self._finish(current, skipped=True)
             return STOP
-        if current is not None:
-            self._finish(current, skipped=True)
         reason += "; rolled back to the pre-step snapshot"
-        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt)
+        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
 
     def _contaminated(
         self, previous: StepRecord, current: StepRecord | None, reason: str, attempt: int

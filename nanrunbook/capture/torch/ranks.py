@@ -113,10 +113,14 @@ class Ranks:
         ``values`` (device tensors) or ``failed``, else 0.0; None for one rank."""
         if not self.several:
             return None
-        flat = [v.detach().reshape(-1).double() for v in values]
-        device = flat[0].device if flat else torch.device("cpu")
-        local = torch.cat([f.to(device) for f in flat]) if flat else torch.zeros(1)
-        vote = (~torch.isfinite(local)).any().double().reshape(1)
+        device = values[0].device if values else torch.device("cpu")
+        try:
+            flat = [v.detach().reshape(-1).double().to(device) for v in values]
+            local = torch.cat(flat) if flat else torch.zeros(1, device=device)
+            vote = (~torch.isfinite(local)).any().double().reshape(1)
+        except Exception:  # the others wait in the all-reduce: this rank votes to hold
+            log.exception("the vote's values could not be combined")
+            failed = True
         if failed:
             vote = torch.ones(1, dtype=torch.float64, device=device)
         torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX, group=self.group)
