@@ -5,8 +5,10 @@ keeping every bit of the real state before each step to compare with after."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +226,9 @@ def rank_worker(rank: int, world: int, tmp: str, scenario: str) -> None:
     import torch.distributed as dist
 
     store = dist.FileStore(str(Path(tmp) / "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         result = _rank_loop(rank, Path(tmp), scenario)
     finally:
@@ -437,3 +441,161 @@ def _device_to_host(name: str, args: Any, kwargs: Any) -> bool:
         and source.device.type != "cpu"
         and dest.device.type == "cpu"
     )
+
+
+@dataclass(frozen=True)
+class RankCase:
+    """A data-parallel job under the sentinel, and what goes wrong on which rank.
+
+    ``fault``: ``nan-data`` (a NaN in the batch), ``nan-update`` (a NaN written
+    into a parameter inside ``optimizer.step()``: a silent corruption of one
+    replica), ``check-fails`` (the per-step checks raise), all at ``fault_step``
+    on the ``fault_ranks``, whose captures also take ``slow`` seconds longer. ``groups``: DDP over data-parallel
+    groups of 2 (``{0,1}, {2,3}``); ``vote_in_group``: the sentinel votes in that
+    group too (else over the world). ``checkpoint``: the loop calls
+    ``checkpointed()`` after every step."""
+
+    run_id: str
+    steps: int = 8
+    fault: str = "nan-data"
+    fault_ranks: tuple[int, ...] = (1,)
+    fault_step: int = 3
+    policy: str = "hold"
+    snapshot: bool = False
+    checkpoint: bool = False
+    groups: bool = False
+    vote_in_group: bool = False
+    timeout: float = 60.0
+    slow: float = 0.0
+
+
+class InjectedCheckFailure(RuntimeError):
+    """The per-step checks of one rank fail (as an out-of-memory would)."""
+
+
+def case_worker(rank: int, world: int, tmp: str, case: RankCase) -> None:
+    """One rank of ``case``; writes what it ended with to ``<tmp>/result-<rank>.json``."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(Path(tmp) / "store"), world)
+    timeout = timedelta(seconds=case.timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        result = _case_loop(rank, world, Path(tmp), case)
+    finally:
+        dist.destroy_process_group()
+    (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def _digest(net: nn.Module) -> list[Any]:
+    return [list(p.detach().reshape(-1).tolist()) for p in net.parameters()]
+
+
+def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import nanrunbook.capture.torch.decide as decide
+
+    group = None
+    if case.groups:  # every rank creates every group, in the same order
+        made = [dist.new_group(list(r)) for r in ((0, 1), (2, 3))]
+        group = made[rank // 2]
+    faulty = rank in case.fault_ranks
+
+    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
+
+    def batch(i: int) -> dict[str, torch.Tensor]:
+        b = regression_batch(100 * rank + i)
+        if case.fault == "nan-data" and faulty and i == case.fault_step:
+            b["x"][2, 5] = float("nan")
+        return b
+
+    # The same job without the sentinel, for the parameters it must end with.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    plain_ddp = nn.parallel.DistributedDataParallel(plain, process_group=group)
+    plain_opt = torch.optim.SGD(plain_ddp.parameters(), lr=0.05)
+    for i in range(1, case.fault_step):
+        plain_opt.zero_grad()
+        loss_fn(plain_ddp, batch(i)).backward()
+        plain_opt.step()
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.parallel.DistributedDataParallel(net, process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    if case.fault == "nan-update" and faulty:
+
+        def corrupt(opt: Any, args: Any, kwargs: Any) -> None:
+            if opt is optimizer and sentinel.last_step == case.fault_step:  # not a replay's copy
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+
+        optimizer.register_step_post_hook(corrupt)
+    if case.fault == "check-fails" and faulty:
+        real_gradients = decide.gradients
+
+        def failing(params: Any) -> Any:
+            if sentinel.last_step == case.fault_step:
+                raise InjectedCheckFailure("out of memory in the per-step checks (injected)")
+            return real_gradients(params)
+
+        decide.gradients = failing  # type: ignore[assignment]
+    if case.slow > 0 and faulty:
+        real_capture = decide.capture_step
+
+        def slow_capture(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(case.slow)
+            return real_capture(*args, **kwargs)
+
+        decide.capture_step = slow_capture  # type: ignore[assignment]
+
+    sentinel = Sentinel(
+        model,
+        optimizer,
+        loss_fn,
+        policy=case.policy,  # type: ignore[arg-type]
+        snapshot=case.snapshot,
+        thresholds=Thresholds(sample_every=0),
+        process_group=group if case.vote_in_group else None,
+        **facts(case.run_id, tmp),
+    )
+    hold: SentinelHold | None = None
+    error: str | None = None
+    before_fault: list[Any] = []
+    steps = 0
+    for i in range(1, case.steps + 1):
+        steps = i
+        if i == case.fault_step:
+            before_fault = _digest(net)
+        try:
+            optimizer.zero_grad()
+            loss = sentinel.forward(batch(i))
+            loss.backward()
+            optimizer.step()
+            if case.checkpoint:
+                sentinel.checkpointed(f"ckpt-{i}", verified_together=PARTS)
+        except SentinelHold as held:
+            hold = held
+            break
+        except InjectedCheckFailure as failure:
+            error = str(failure)
+            break
+    try:
+        sentinel.close()
+    except SentinelHold as held:  # the last update, checked at close
+        hold = held
+    return {
+        "steps": steps,
+        "held": hold.step if hold else None,
+        "bundle": str(hold.bundle) if hold and hold.bundle else None,
+        "reason": hold.reason if hold else None,
+        "contaminated": hold.contaminated if hold else None,
+        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        "error": error,
+        "before_fault": before_fault,
+        "plain_before_fault": _digest(plain),
+        "params": _digest(net),
+        "finite": params_finite(net),
+    }

@@ -1,25 +1,53 @@
 """The sentinel across ranks: real data-parallel training (gloo, CPU, 2 and 4
 processes spawned from the test). No rank steps while another holds; each rank
 writes its bundle into the incident set; the origin is the rank whose own
-values went non-finite."""
+values went non-finite. Every rank takes the same branch and reaches the same
+collectives, whatever happens on one rank only; every collective has a timeout,
+every job a deadline, and every process must exit with 0 (a SIGABRT at exit is a
+crash to torchrun and Slurm)."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from sentinel_support import rank_worker
+from sentinel_support import RankCase, case_worker, rank_worker
 
 from nanrunbook import check_bundle
 from nanrunbook.records import STAGE_ORDER
 
 
-def run_ranks(tmp: Path, world: int, scenario: str) -> list[dict[str, Any]]:
-    mp.spawn(rank_worker, args=(world, str(tmp), scenario), nprocs=world, join=True)
+def spawn(
+    worker: Callable[..., None], tmp: Path, world: int, *args: Any, deadline: float = 300.0
+) -> list[dict[str, Any]]:
+    """Run ``worker`` on ``world`` processes; a job that outlives ``deadline``
+    seconds fails (its processes killed), and so does any exit code but 0."""
+    context = mp.spawn(worker, args=(world, str(tmp), *args), nprocs=world, join=False)
+    end = time.monotonic() + deadline
+    try:
+        while not context.join(timeout=max(0.5, end - time.monotonic())):
+            if time.monotonic() > end:
+                pytest.fail(f"the {world}-rank job did not end within {deadline:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    codes = [process.exitcode for process in context.processes]
+    assert codes == [0] * world, f"exit codes {codes}"
     return [json.loads((tmp / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+def run_ranks(tmp: Path, world: int, scenario: str) -> list[dict[str, Any]]:
+    return spawn(rank_worker, tmp, world, scenario)
+
+
+def run_case(tmp: Path, world: int, case: RankCase) -> list[dict[str, Any]]:
+    return spawn(case_worker, tmp, world, case)
 
 
 def set_verdict(incident: Path) -> tuple[list[int], str | None, dict[int, str]]:
@@ -72,3 +100,113 @@ def test_a_healthy_job_writes_no_set(tmp_path: Path) -> None:
     results = run_ranks(tmp_path, 2, "healthy")
     assert all(r["held"] is None and r["steps"] == 12 for r in results)
     assert not list((tmp_path / "incident" / "healthy").glob("*/rank-*"))
+
+
+# ------------------------------------------------- groups: data x model parallel
+
+
+def test_ddp_on_a_subgroup_averages_over_its_own_group(tmp_path: Path) -> None:
+    """4 ranks, DDP over the data-parallel groups {0,1} and {2,3}, the sentinel
+    voting over the world: the gradients are averaged within each group, as
+    DDP alone does (over the world, all four would end equal)."""
+    case = RankCase("dp-groups", groups=True)
+    results = run_case(tmp_path, 4, case)
+    for r in results:
+        assert r["before_fault"] == r["plain_before_fault"]  # bit for bit, as without it
+    params = [r["before_fault"] for r in results]
+    assert params[0] == params[1] and params[2] == params[3] and params[0] != params[2]
+    assert {r["held"] for r in results} == {3}  # the world's vote holds every rank
+    origin, stage, _ = set_verdict(tmp_path / "incident" / "dp-groups" / "3")
+    assert (origin, stage) == ([1], "input")
+
+
+def test_ranks_of_different_groups_never_share_a_file(tmp_path: Path) -> None:
+    """Each group votes and holds on its own; files are named by the job's rank,
+    and the bundles' topology records the group's rank beside it."""
+    case = RankCase("groups-vote", groups=True, vote_in_group=True, fault_ranks=(1, 3))
+    results = run_case(tmp_path, 4, case)
+    assert [r["held"] for r in results] == [3, 3, 3, 3]
+    assert [r["origin"] for r in results] == [[1], [1], [3], [3]]
+    root = tmp_path / "incident" / "groups-vote"
+    assert sorted(p.name for p in root.iterdir()) == ["3"] + [
+        f"telemetry-rank-{r:05d}.jsonl" for r in range(4)
+    ]
+    for rank in range(4):
+        lines = [json.loads(x) for x in (root / f"telemetry-rank-{rank:05d}.jsonl").open()]
+        assert [(x["step"], x["rank"], x["world_size"]) for x in lines] == [
+            (s, rank, 4) for s in (1, 2, 3)
+        ]
+        topology = check_bundle(root / "3" / f"rank-{rank:05d}").manifest.binding.details[
+            "topology"
+        ]
+        assert (topology["rank"], topology["world_size"]) == (rank, 4)
+        assert (topology["group_rank"], topology["group_size"]) == (rank % 2, 2)
+    origin, stage, _ = set_verdict(root / "3")
+    assert (origin, stage) == ([1, 3], "input")
+
+
+# ------------------------------------------- one rank only: the same branch for all
+
+
+def test_one_replicas_corrupt_update_under_skip_without_snapshot_holds_every_rank(
+    tmp_path: Path,
+) -> None:
+    case = RankCase("sdc-skip", fault="nan-update", policy="skip", timeout=20.0)
+    results = run_case(tmp_path, 2, case)
+    assert [(r["held"], r["contaminated"]) for r in results] == [(3, True), (3, True)]
+    assert results[0]["reason"].startswith("another rank's update")
+    assert results[1]["reason"].startswith("non-finite update after optimizer.step()")
+
+
+def test_one_replicas_corrupt_update_under_skip_is_rolled_back_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    case = RankCase("sdc-roll", fault="nan-update", policy="skip", snapshot=True, timeout=20.0)
+    results = run_case(tmp_path, 2, case)
+    assert [r["held"] for r in results] == [None, None]
+    assert all(r["finite"] and r["steps"] == 8 for r in results)
+    assert results[0]["params"] == results[1]["params"]  # the replicas did not diverge
+
+
+@pytest.mark.parametrize("where", ["step", "checkpoint", "close"])
+def test_one_ranks_non_finite_update_holds_every_rank_at_its_step(
+    where: str, tmp_path: Path
+) -> None:
+    """Found at the next step's vote, in checkpointed() or at close(): every rank
+    rolls back and holds at the step of the update, into one step directory."""
+    case = RankCase(
+        f"update-{where}",
+        fault="nan-update",
+        snapshot=True,
+        checkpoint=where == "checkpoint",
+        steps=3 if where == "close" else 8,
+        timeout=20.0,
+    )
+    results = run_case(tmp_path, 2, case)
+    assert [r["held"] for r in results] == [3, 3]
+    assert [r["contaminated"] for r in results] == [False, False]
+    assert [Path(r["bundle"]).parent.name for r in results] == ["3", "3"]
+    assert results[0]["reason"].startswith("another rank's update")
+    assert all(r["before_fault"] == r["params"] for r in results)  # rolled back
+
+
+def test_a_rank_whose_checks_raise_holds_the_others_then_raises(tmp_path: Path) -> None:
+    case = RankCase("check-fails", fault="check-fails", timeout=20.0)
+    results = run_case(tmp_path, 2, case)  # the others do not wait out the timeout
+    assert results[1]["error"] == "out of memory in the per-step checks (injected)"
+    assert results[0]["held"] == 3 and results[0]["error"] is None
+    assert "another rank could not check its step" in results[0]["reason"]
+    assert results[0]["before_fault"] == results[0]["params"]  # nothing stepped
+
+
+def test_a_capture_longer_than_the_collective_timeout_keeps_its_hold(tmp_path: Path) -> None:
+    """The group times out after 8 s; rank 1's capture takes 16 s more. The
+    verdicts go through the store, which waits for it; each line is written first."""
+    case = RankCase("slow", timeout=8.0, slow=16.0)
+    results = run_case(tmp_path, 2, case)
+    assert [r["held"] for r in results] == [3, 3]
+    assert [r["origin"] for r in results] == [[1], [1]]
+    for rank in range(2):
+        path = tmp_path / "incident" / "slow" / f"telemetry-rank-{rank:05d}.jsonl"
+        lines = [json.loads(x) for x in path.open()]
+        assert [(x["step"], x["held"]) for x in lines][-1] == (3, True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from nanrunbook.verdict.report import Report
 
-__all__ = ["SentinelHold", "incident_bundle_path", "rank_member"]
+__all__ = ["SentinelHold", "incident_attempt", "incident_bundle_path", "rank_member"]
 
 
 def rank_member(rank: int) -> str:
@@ -26,17 +26,33 @@ def rank_member(rank: int) -> str:
 
 
 def incident_bundle_path(
-    root: str | os.PathLike[str], run_id: str, step: int, rank: int | None = None
+    root: str | os.PathLike[str],
+    run_id: str,
+    step: int,
+    rank: int | None = None,
+    attempt: int | None = None,
 ) -> Path:
-    """The first unused bundle path for ``step``: ``<root>/<run_id>/<step>`` for one
-    process, ``<root>/<run_id>/<step>/rank-NNNNN`` for ``rank`` of several."""
-    base = Path(root) / run_id
+    """The bundle path for ``step``: ``<root>/<run_id>/<step>`` for one process,
+    ``<root>/<run_id>/<step>/rank-NNNNN`` for ``rank`` of several; ``<step>.N``
+    for ``attempt`` N (default: the first unused, :func:`incident_attempt`)."""
+    if attempt is None:
+        attempt = incident_attempt(root, run_id, step, rank)
+    name = str(step) if attempt == 0 else f"{step}.{attempt}"
+    path = Path(root) / run_id / name
+    return path if rank is None else path / rank_member(rank)
+
+
+def incident_attempt(
+    root: str | os.PathLike[str], run_id: str, step: int, rank: int | None = None
+) -> int:
+    """The first attempt whose bundle path for ``step`` (and ``rank``) is unused.
+    The ranks of a job agree on the largest of theirs, so that they write into
+    one step directory."""
     attempt = 0
     while True:
-        name = str(step) if attempt == 0 else f"{step}.{attempt}"
-        path = base / name if rank is None else base / name / rank_member(rank)
+        path = incident_bundle_path(root, run_id, step, rank, attempt)
         if not path.exists() and not path.is_symlink():
-            return path
+            return attempt
         attempt += 1
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from nanrunbook.capture.facts import LoopFacts
-from nanrunbook.capture.incident import SentinelHold
+from nanrunbook.capture.incident import SentinelHold, incident_attempt
 from nanrunbook.capture.telemetry import (
     Alert,
     EarlyWarnings,
@@ -33,7 +33,7 @@ from nanrunbook.capture.telemetry import (
 from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients, joined
 from nanrunbook.capture.torch.convert import safetensors_dtype
 from nanrunbook.capture.torch.evidence import StepObjects, capture_step
-from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
+from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.steps import GradFindings, StepRecord, grad_probe
 
@@ -66,6 +66,7 @@ class Decisions:
     _decided: StepRecord | None
     _skip_update: bool
     _skip_scheduler: bool
+    _held: bool
     _early: EarlyWarnings
     _snapshot: StateSnapshot | None
     _telemetry: TelemetryFile | None
@@ -85,28 +86,104 @@ class Decisions:
                 " route the loop's forward through the sentinel"
             )
         self._step, self._decided, self.last_step = None, step, step.number
+        self._held = False
         previous, self._pending = self._pending, None
         readout = Readout()
-        grads = gradients(self._params)
-        found_inf = self._found_inf() if scaler_path else None
-        flags = self._pack(readout, step, previous, grads, found_inf)
-        vote = self.ranks.vote(flags)
-        if vote is not None:
-            readout.add("vote", vote)
-        values = readout.read()
-        update_ok = previous.read_update(values) if previous is not None else True
-        if previous is not None and update_ok:
-            self._weights(previous)
-        # A step run on a non-finite update is discarded: no exact count for it.
-        self._read_step(step, values, grads, count=update_ok)
-        outcome = self._outcome(step, update_ok)
-        if vote is not None and values["vote"][0] > 0:
-            outcome = self.ranks.agree(outcome, step.losses[0].device)
-        if outcome.kind == "update" and previous is not None:
-            return self._update_incident(previous, outcome.reason, current=step)
+        grads: list[Any] = []
+        flags: list[Any] = []
+        failure: Exception | None = None
+        try:
+            grads = gradients(self._params)
+            found_inf = self._found_inf() if scaler_path else None
+            flags = self._pack(readout, step, previous, grads, found_inf)
+        except Exception as error:
+            if not self.ranks.several:
+                raise
+            failure = error  # the others wait in the vote: vote, agree, then raise
+        vote = self.ranks.vote(flags, failed=failure is not None)
+        voted = vote is not None
+        update_ok, outcome = True, Outcome("healthy")
+        if failure is None:
+            try:
+                if vote is not None:
+                    readout.add("vote", vote)
+                values = readout.read()
+                voted = vote is not None and values["vote"][0] > 0
+                update_ok = previous.read_update(values) if previous is not None else True
+                if previous is not None and update_ok:
+                    self._weights(previous)
+                # A step run on a non-finite update is discarded: no exact count for it.
+                self._read_step(step, values, grads, count=update_ok)
+                outcome = self._outcome(step, update_ok)
+            except Exception as error:
+                if not self.ranks.several:
+                    raise
+                failure = error
+                voted = vote is not None and float(vote.item()) > 0
+        device = step.losses[0].device
+        if failure is not None:
+            self._fail(failure, step, previous, device, voted)
+        proposal = self._propose(step, previous, outcome, update_ok, voted)
+        agreed = self.ranks.agree(proposal, device) if voted else proposal
+        if agreed.update and previous is not None:
+            return self._update_incident(previous, "", step, agreed, own=not update_ok)
         if previous is not None:
             self._finish(previous)
-        return self._apply(step, outcome)
+        return self._apply(step, outcome, agreed)
+
+    def _fail(
+        self,
+        failure: Exception,
+        step: StepRecord,
+        previous: StepRecord | None,
+        device: Any,
+        voted: bool,
+    ) -> NoReturn:
+        """This rank could not check its step (an out-of-memory, a dtype the checks
+        refuse): it holds the others, takes part in the collectives of their hold
+        and raises its error. Without a vote of its own (the read failed after
+        a vote of 0) the others go on, and the job's next collective fails."""
+        self._held = True
+        if voted:
+            agreed = self.ranks.agree(Proposal("hold", failed=True), device)
+            held = previous if agreed.update and previous is not None else step
+            attempt = agreed.previous_attempt if held is previous else agreed.attempt
+            self.ranks.origin(None, None, self._incident_key(held, attempt))
+        log.error("step %d: this rank could not check its step: %s", step.number, failure)
+        raise failure
+
+    def _may_skip(self, skips: int = 1) -> bool:
+        """The skip policy allows ``skips`` more skipped steps."""
+        return self.policy == "skip" and self._early.skips + skips <= self.thresholds.skip_hold
+
+    def _propose(
+        self,
+        step: StepRecord,
+        previous: StepRecord | None,
+        outcome: Outcome,
+        update_ok: bool,
+        voted: bool,
+    ) -> Proposal:
+        """This rank's action (and what decides the others'), before any state
+        changes: under several ranks it is agreed before anyone acts on it."""
+        stuck = self._snapshot is None or not self._snapshot.taken
+        if not update_ok:
+            action = "skip" if self._may_skip() and not stuck else "hold"
+        elif outcome.kind == "incident":
+            action = "skip" if self._may_skip() else "hold"
+        else:
+            action = outcome.kind  # healthy, probe, hold
+        attempt = previous_attempt = 0
+        if voted and self.ranks.several:  # the incident directory every rank would use
+            root, run, member = self.incident_dir, self.facts.run_id, self.ranks.member
+            attempt = incident_attempt(root, run, step.number, member)
+            if previous is not None:
+                previous_attempt = incident_attempt(root, run, previous.number, member)
+        return Proposal(action, not update_ok, stuck, False, attempt, previous_attempt)
+
+    def _incident_key(self, step: StepRecord, attempt: int | None) -> str:
+        """The name of an agreed hold among the ranks (the store's keys)."""
+        return f"{self.facts.run_id}/{step.number}.{attempt or 0}"
 
     def _pack(
         self,
@@ -254,19 +331,20 @@ class Decisions:
             return Outcome("hold", reason, "backward")
         return Outcome("probe", counts, "backward")
 
-    def _apply(self, step: StepRecord, outcome: Outcome) -> bool:
+    def _apply(self, step: StepRecord, outcome: Outcome, agreed: Proposal) -> bool:
         step.warnings += divergence_alerts(self._early, "loss", step.number, step.loss)
-        if outcome.kind == "healthy":
+        if agreed.action == "healthy":
             return self._healthy(step)
         if self.scaler is not None and step.scale is not None and step.grads.found_inf:
             after = step.scale * self.scaler.get_backoff_factor()
             step.warnings += self._early.scaler(True, step.scale, after)
-        if outcome.kind == "probe":
+        if agreed.action == "probe":
             step.warnings += self._early.skipped(True)
-            log.info("step %d: GradScaler skipped the update (%s)", step.number, outcome.reason)
+            reason = outcome.reason or "another rank's GradScaler overflowed"
+            log.info("step %d: GradScaler skipped the update (%s)", step.number, reason)
             self._finish(step, skipped=True)
             return GO  # the scaler skips optimizer.step() itself and backs off
-        return self._incident(step, outcome)
+        return self._incident(step, outcome, agreed)
 
     def _healthy(self, step: StepRecord) -> bool:
         grads = step.grads
@@ -285,43 +363,65 @@ class Decisions:
             step.clip.apply()
         return GO
 
-    def _incident(self, step: StepRecord, outcome: Outcome) -> bool:
+    def _incident(self, step: StepRecord, outcome: Outcome, agreed: Proposal) -> bool:
         """Non-finite values the update must not see: nothing steps, the buffers
-        the forward wrote are put back; skip (recorded) or hold."""
+        the forward wrote are put back; skip (recorded) or hold, as agreed."""
         self._stand_down(step)
         step.warnings += self._early.skipped(True)
         skips = self._early.skips
-        may_skip = self.policy == "skip" and outcome.kind == "incident"
-        if may_skip and skips <= self.thresholds.skip_hold:
-            log.warning("step %d skipped: %s", step.number, outcome.reason)
+        mine = outcome.kind in ("incident", "hold")
+        reason = outcome.reason if mine else "another rank's values went non-finite"
+        if agreed.failed:
+            reason += "; another rank could not check its step and raised"
+        if agreed.action == "skip":
+            log.warning("step %d skipped: %s", step.number, reason)
             self._finish(step, skipped=True)
             return STOP
-        reason = outcome.reason + (f"; {skips} consecutive skipped steps" if may_skip else "")
-        raise self._hold(step, reason, outcome.stage)
+        if self.policy == "skip" and outcome.kind == "incident" and not self._may_skip(0):
+            reason += f"; {skips} consecutive skipped steps"
+        stage = outcome.stage if mine else None
+        raise self._hold(step, reason, stage, agreed.attempt)
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
         if self.scaler is not None:
-            reset_scaler_step(self.scaler)
+            reset_scaler_step(self.scaler, self.optimizer)  # the other optimizers' stand
         self._skip_update = self._skip_scheduler = True
 
-    def _hold(self, step: StepRecord, reason: str, stage: str | None) -> SentinelHold:
-        """Capture the step's bundle, write its line; the exception to raise."""
+    def _hold(
+        self,
+        step: StepRecord,
+        reason: str,
+        stage: str | None,
+        attempt: int = 0,
+        skipped: StepRecord | None = None,
+    ) -> SentinelHold:
+        """Capture the step's bundle, write its line (and the line of ``skipped``,
+        the step run on it), then exchange the ranks' verdicts (after the lines:
+        a hold whose exchange fails still left them); the exception to raise."""
+        self._held = True
+        several = self.ranks.several
         captured = capture_step(
             self.objects,
             self.facts,
             step,
             self.last_known_good,
             self.incident_dir,
-            self.ranks.rank if self.ranks.several else None,
+            self.ranks.member,
+            attempt if several else None,
+            self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
-        origin = self.ranks.origin(decision.decision if decision else None, found, step.number)
         self._finish(step, held=True, bundle=captured.bundle)
+        if skipped is not None:
+            self._finish(skipped, skipped=True)
+        origin = self.ranks.origin(
+            decision.decision if decision else None, found, self._incident_key(step, attempt)
+        )
         return SentinelHold(
             step=step.number,
             reason="; ".join((reason, *captured.notes)),
@@ -330,8 +430,15 @@ class Decisions:
             report=report,
             last_known_good=self.last_known_good,
             capture_error=captured.error,
-            origin_ranks=origin if self.ranks.several else None,
+            origin_ranks=origin if several else None,
         )
+
+    def _topology(self) -> dict[str, Any] | None:
+        """The bundle's topology: the job's rank and size, with the voting group's."""
+        ranks = self.ranks
+        if not ranks.distributed:
+            return None
+        return {"group_rank": ranks.group_rank, "group_size": ranks.group_size}
 
     # ----------------------------------------------------------- the update
 
@@ -344,62 +451,91 @@ class Decisions:
         self._pending = step
 
     def _resolve_pending(self, checkpointing: str | None = None) -> None:
-        """Read the last update's flag now (one read); a non-finite one holds."""
+        """Read the last update's flag now (one read; with several ranks, one
+        vote, which every rank casts at the same call); a non-finite one holds."""
         previous, self._pending = self._pending, None
-        if previous is None:
-            return
+        if self._held or (previous is None and not self.ranks.several):
+            return  # after an agreed hold every rank is here without a vote
         readout = Readout()
-        previous.pack_update(readout)
-        if previous.read_update(readout.read()):
-            self._weights(previous)
-            self._finish(previous)
+        flags = []
+        if previous is not None:
+            previous.pack_update(readout)
+            flags.append(previous.update_flag)
+        vote = self.ranks.vote(flags)
+        if vote is not None:
+            readout.add("vote", vote)
+        values = readout.read()
+        update_ok = previous.read_update(values) if previous is not None else True
+        voted = vote is not None and values["vote"][0] > 0
+        if update_ok and not voted:
+            if previous is not None:
+                self._weights(previous)
+                self._finish(previous)
             return
-        reason = f"checkpoint {checkpointing} was saved after it" if checkpointing else ""
-        self._update_incident(previous, reason, current=None, must_hold=True)
+        stuck = self._snapshot is None or not self._snapshot.taken
+        attempt = 0
+        if voted and previous is not None:
+            attempt = incident_attempt(
+                self.incident_dir, self.facts.run_id, previous.number, self.ranks.member
+            )
+        proposal = Proposal("hold", not update_ok, stuck, False, 0, attempt)
+        agreed = self.ranks.agree(proposal, vote.device) if voted else proposal
+        if previous is None:  # a rank that had no step to check: the others hold
+            self._held = True
+            key = f"{self.facts.run_id}/{self.last_step}.{agreed.previous_attempt}"
+            self.ranks.origin(None, None, key)
+            return
+        note = f"checkpoint {checkpointing} was saved after it" if checkpointing else ""
+        self._update_incident(previous, note, None, agreed, own=not update_ok)
 
     def _update_incident(
         self,
         previous: StepRecord,
         note: str,
         current: StepRecord | None,
-        must_hold: bool = False,
+        agreed: Proposal,
+        own: bool,
     ) -> bool:
-        """The previous step's update is non-finite. With a snapshot it is rolled
-        back (and the current step, run on it, skipped); without one the real
-        state is contaminated and the run holds."""
+        """Some rank's update of the previous step is non-finite (``own``: this
+        rank's). Every rank rolls it back from its snapshot (and skips the
+        current step, run on it), so the replicas stay equal; a rank without one
+        holds contaminated; a hold holds on every rank."""
         update = previous.update
-        counts = (
-            f"{update.nan} NaN, {update.posinf} +inf, {update.neginf} -inf" if update else "unknown"
-        )
-        reason = f"non-finite update after optimizer.step(): {counts} in the parameters"
+        if own:
+            counts = (
+                f"{update.nan} NaN, {update.posinf} +inf, {update.neginf} -inf"
+                if update
+                else "unknown"
+            )
+            reason = f"non-finite update after optimizer.step(): {counts} in the parameters"
+        else:
+            reason = "another rank's update after optimizer.step() went non-finite"
         reason += f"; {note}" if note else ""
         if current is not None:
             self._stand_down(current)  # it ran on the parameters the update wrote
         if self._snapshot is None or not self._snapshot.taken:
-            raise self._contaminated(previous, current, reason)
+            raise self._contaminated(previous, current, reason, agreed.previous_attempt)
         self._snapshot.restore()
         previous.buffers.restore()
         previous.warnings += self._early.skipped(True)
-        skips = self._early.skips
-        if self.policy == "skip" and not must_hold and skips <= self.thresholds.skip_hold:
+        if agreed.action == "skip" and not agreed.stuck:
             log.warning("step %d rolled back: %s", previous.number, reason)
             self._finish(previous, skipped=True)
             if current is not None:
                 current.warnings += self._early.skipped(True)
                 self._finish(current, skipped=True)
             return STOP
-        hold = self._hold(previous, reason + "; rolled back to the pre-step snapshot", "optimizer")
-        if current is not None:
-            self._finish(current, skipped=True)
-        raise hold
+        reason += "; rolled back to the pre-step snapshot"
+        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
 
     def _contaminated(
-        self, previous: StepRecord, current: StepRecord | None, reason: str
+        self, previous: StepRecord, current: StepRecord | None, reason: str, attempt: int
     ) -> SentinelHold:
-        origin = self.ranks.origin(None, "optimizer", previous.number)  # the others gather
+        self._held = True
         self._finish(previous, held=True)
         if current is not None:
             self._finish(current, skipped=True)
+        origin = self.ranks.origin(None, "optimizer", self._incident_key(previous, attempt))
         return SentinelHold(
             step=previous.number,
             reason=reason,

@@ -14,7 +14,7 @@ import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hol
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
 from nanrunbook.capture.torch._offload import ReplayMemory
-from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
+from nanrunbook.capture.torch.binding import model_binding, scheduler_binding, topology_binding
 from nanrunbook.capture.torch.replay import (
     COMPILED_LIVE,
     EAGER_REPLAY,
@@ -136,13 +136,17 @@ def capture_step(
     last_known_good: Mapping[str, Any],
     root: Path,
     rank: int | None,
+    attempt: int | None = None,
+    topology: Mapping[str, Any] | None = None,
     *,
     peer: bool = False,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
-    pre-step state), write its bundle, check it. Never raises: a capture that
-    fails is reported, and the hold stands without it. ``peer``: the step holds
-    because another rank's values went non-finite."""
+    pre-step state), write its bundle (as ``rank`` of the job, into the
+    incident directory's ``attempt``, default the first free; ``topology``: more
+    of the topology item, the voting group's rank and size), check it. Never
+    raises: a capture that fails is reported, and the hold stands without it.
+    ``peer``: the step holds because another rank's values went non-finite."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -166,10 +170,12 @@ def capture_step(
         )
         notes = _compare(objects, record, replayed)
         derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}
+        if topology is not None:
+            derived["topology"] = {**topology_binding(), **topology}
         given = facts.binding(record.number)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
-        target = incident_bundle_path(root, facts.run_id, record.number, rank)
+        target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)
         target.parent.mkdir(parents=True, exist_ok=True)
         report = replayed.writer.write_checked(target)
     except EvidenceRejected as error:

@@ -190,15 +190,15 @@ class Sentinel(Decisions):
             compiled=compiled,
             memory=replay_memory,
         )
-        self._local = self._local_gradients(model, process_group)
+        self._local = self._local_gradients(model)
         self._setup_state(snapshot, telemetry)
         self._install()
 
-    def _local_gradients(self, model: Any, group: Any) -> LocalGradients | None:
+    def _local_gradients(self, model: Any) -> LocalGradients | None:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return None
         try:
-            return LocalGradients(model, group)
+            return LocalGradients(model)
         except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
             log.info("gradients are checked after the all-reduce only: %s", error)
             return None
@@ -220,6 +220,7 @@ class Sentinel(Decisions):
         self._decided: StepRecord | None = None
         # The step was not applied: its scaler.update and its scheduler.step pass.
         self._skip_update = self._skip_scheduler = False
+        self._held = False  # an agreed hold: no rank votes again until the next step
         self._scheduler_per_step = True
         self._scheduler_calls = 0
         self._inside_scaler = False
@@ -248,8 +249,8 @@ class Sentinel(Decisions):
         if given is not None:
             return Path(given)
         name = "telemetry.jsonl"
-        if self.ranks.several:
-            name = f"telemetry-{rank_member(self.ranks.rank)}.jsonl"
+        if self.ranks.member is not None:  # the job's rank: unique across its groups
+            name = f"telemetry-{rank_member(self.ranks.member)}.jsonl"
         return self.incident_dir / self.facts.run_id / name
 
     def _install(self) -> None:
@@ -355,7 +356,8 @@ class Sentinel(Decisions):
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         if error is None:
             self.close()
-        else:
+        else:  # this rank alone may have raised: no collective the others would not reach
+            self.ranks.alone = True
             self._flush_quietly()
 
     def _shut(self) -> None:

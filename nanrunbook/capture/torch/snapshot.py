@@ -41,21 +41,27 @@ class Buffers:
                 live.copy_(saved)
 
 
-def _restore_scaler(scaler: Any, scale: Any, tracker: Any) -> None:
+def _restore_scaler(scaler: Any, optimizer: Any, scale: Any, tracker: Any) -> None:
     with torch.no_grad():
         if scale is not None:
             scaler._scale.copy_(scale)
         if tracker is not None:
             scaler._growth_tracker.copy_(tracker)
-    reset_scaler_step(scaler)
+    reset_scaler_step(scaler, optimizer)
 
 
-def reset_scaler_step(scaler: Any) -> None:
-    """Forget a GradScaler's per-step bookkeeping (unscale_ done, found_inf), as
-    ``update()`` does, without changing its scale or growth tracker."""
+def reset_scaler_step(scaler: Any, optimizer: Any = None) -> None:
+    """Forget a GradScaler's per-step bookkeeping (unscale_ done, found_inf)
+    without changing its scale or growth tracker: for ``optimizer`` only, or for
+    every optimizer, as ``update()`` does. A scaler shared by several optimizers
+    keeps the others' bookkeeping: wiping an optimizer that was already unscaled
+    would have ``scaler.step`` unscale its gradients a second time."""
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    if optimizer is None:
+        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    else:
+        scaler._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
 
 
 class StateSnapshot:
@@ -185,7 +191,7 @@ class StateSnapshot:
         if self.scheduler is not None and self._scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(self._scheduler))
         if self.scaler is not None and self.scaler.is_enabled():
-            _restore_scaler(self.scaler, self._scale, self._tracker)
+            _restore_scaler(self.scaler, self.optimizer, self._scale, self._tracker)
 
 
 def _clone_into(buffer: Any, value: Any) -> Any:
