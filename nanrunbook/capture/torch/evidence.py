@@ -159,6 +159,7 @@ def capture_step(
             step=record.number,
             incident_owner=facts.incident_owner,
             last_known_good=last_known_good,
+            spool_dir=root / facts.run_id,  # the tensors stream to disk as they are taken
         )
         notes = _compare(objects, record, replayed)
         derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}

@@ -701,6 +701,8 @@ def replay_step(
         "step": step,
         "incident_owner": incident_owner,
         "last_known_good": last_known_good,
+        # Written at once: the tensors stream to a spool beside the target.
+        "spool_dir": Path(target).parent if target is not None else None,
     }
     replayed = replay(model, optimizer, recipe, owner, **identity)
     if compiled:
