@@ -123,16 +123,8 @@ def as_raw(value: Any) -> RawTensor:
     return RawTensor(name, shape, data)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _seal(raw: RawTensor) -> tuple[Tally, str]:
-    return tally_bytes(raw.dtype, raw.data), _sha256(raw.data)
-
-
-# From this many bytes a streamed tensor is hashed on a second thread.
-_OVERLAP_BYTES = 1 << 20
+    return tally_bytes(raw.dtype, raw.data), hashlib.sha256(raw.data).hexdigest()
 
 
 # Below this many bytes a stage is counted and hashed in the calling thread.
@@ -360,29 +352,17 @@ class BundleWriter:
         assert spool is not None
         if self._spent is not None:
             raise RuntimeError(self._spent)
-        from concurrent.futures import ThreadPoolExecutor
-
         start = spool.size
         captured: list[_Captured] = []
         sealed: list[tuple[Tally, str]] = []
-        # One tensor at a time, its SHA-256 on a second thread while this one
-        # counts it and spools it (hashlib and numpy release the GIL).
-        overlap = (os.cpu_count() or 1) > 1
         try:
-            with ThreadPoolExecutor(max_workers=1) as hasher:
-                for name, value, probe in tensors:
-                    raw = as_raw(value)
-                    if overlap and len(raw.data) >= _OVERLAP_BYTES:
-                        digest = hasher.submit(_sha256, raw.data)
-                        tally = tally_bytes(raw.dtype, raw.data)
-                        spool.append(raw.data)
-                        seal = (tally, digest.result())
-                    else:
-                        seal = _seal(raw)
-                        spool.append(raw.data)
-                    captured.append(_captured(name, raw, probe, seal[1], keep=False))
-                    sealed.append(seal)
-                    del raw
+            for name, value, probe in tensors:
+                raw = as_raw(value)
+                seal = _seal(raw)
+                spool.append(raw.data)
+                captured.append(_captured(name, raw, probe, seal[1], keep=False))
+                sealed.append(seal)
+                del raw
         except BaseException:
             spool.truncate(start)
             raise

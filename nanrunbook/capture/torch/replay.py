@@ -353,6 +353,8 @@ def _forward_stages(
         owner=owner["loss"],
         probe_source="loss returned by compute_loss, before backward",
     )
+    for taken in (forward.inputs, forward.activations, forward.losses):
+        taken.clear()  # the writer has them: a streaming one spooled them, so let them go
     return forward
 
 
