@@ -30,6 +30,11 @@ TENSOR_BYTES = 1 << 20
 TENSORS = 24  # 24 MiB of tensors in all
 
 
+def spool_in(directory: Path) -> Path:
+    (directory / "spool").mkdir(exist_ok=True)
+    return directory / "spool"
+
+
 def spools(directory: Path) -> list[Path]:
     return sorted(directory.rglob(f"{SPOOL_PREFIX}*"))
 
@@ -48,7 +53,7 @@ def big_bundle(w: BundleWriter) -> BundleWriter:
 
 def test_streamed_bundle_is_byte_identical_to_the_in_memory_one(tmp_path: Path) -> None:
     memory = big_bundle(new_writer()).write(tmp_path / "memory")
-    streamed = big_bundle(new_writer(spool_dir=tmp_path / "spool")).write(tmp_path / "streamed")
+    streamed = big_bundle(new_writer(spool_dir=spool_in(tmp_path))).write(tmp_path / "streamed")
     assert tree_bytes(streamed) == tree_bytes(memory)
     assert spools(tmp_path) == []  # the written bundle took the spool's place
 
@@ -76,7 +81,7 @@ def test_fixture_bundles_stream_to_the_committed_bytes(
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
     monkeypatch.setattr(
-        generate, "BundleWriter", functools.partial(BundleWriter, spool_dir=tmp_path / "spool")
+        generate, "BundleWriter", functools.partial(BundleWriter, spool_dir=spool_in(tmp_path))
     )
     for name, (build, _) in generate.VALID.items():
         written = build().write(tmp_path / name)
@@ -155,7 +160,7 @@ def test_a_refused_streaming_write_leaves_no_bundle_and_no_spool(tmp_path: Path)
 def test_a_stage_that_fails_midway_is_taken_back_from_the_spool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    memory, streamed = new_writer(), new_writer(spool_dir=tmp_path / "spool")
+    memory, streamed = new_writer(), new_writer(spool_dir=spool_in(tmp_path))
 
     def broken() -> Iterator[tuple[str, Any, str]]:
         yield from lazy_tensors(2)
@@ -192,7 +197,7 @@ def test_streaming_holds_about_one_tensor_while_writing_many(tmp_path: Path) -> 
     array, its bytes, and a small header)."""
     memory = _peak_traced(lambda: big_bundle(new_writer()).write(tmp_path / "m"))
     streamed = _peak_traced(
-        lambda: big_bundle(new_writer(spool_dir=tmp_path / "spool")).write(tmp_path / "s")
+        lambda: big_bundle(new_writer(spool_dir=spool_in(tmp_path))).write(tmp_path / "s")
     )
     assert memory > TENSORS * TENSOR_BYTES  # the measure sees what is held
     assert streamed < 3 * TENSOR_BYTES, streamed
@@ -239,7 +244,7 @@ def test_a_sentinel_hold_streams_its_bundle(
 def test_an_existing_target_refused_keeps_the_spool(tmp_path: Path) -> None:
     """Refused before anything is put down (the target exists): the writer still
     writes elsewhere, as an in-memory one does."""
-    w = big_bundle(new_writer(spool_dir=tmp_path / "spool"))
+    w = big_bundle(new_writer(spool_dir=spool_in(tmp_path)))
     (tmp_path / "b").mkdir()
     with pytest.raises(FileExistsError):
         w.write(tmp_path / "b")
@@ -267,3 +272,10 @@ def test_a_streamed_replay_holds_one_stage_not_the_bundle(tmp_path: Path) -> Non
     )
     assert peak < 1.5 * params, peak / params
     assert spools(tmp_path) == []
+
+
+def test_the_spool_makes_no_directory_of_the_callers(tmp_path: Path) -> None:
+    w = new_writer(spool_dir=tmp_path / "missing")
+    with pytest.raises(FileNotFoundError):
+        w.observe("input", lazy_tensors(1), owner=OWNER, probe_source="p")
+    assert list(tmp_path.iterdir()) == [] and w.recorded == ()

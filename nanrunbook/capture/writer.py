@@ -180,7 +180,7 @@ def _remove_spool(fd: int, directory: str, pid: int) -> None:
 
 class _Spool:
     """Tensor bytes appended, in capture order, to one data file of a private
-    directory made under ``parent`` at the first append. The directory goes when
+    directory made in ``parent`` (which must exist) at the first append. The directory goes when
     :meth:`release` is called, when the spool is garbage, or at exit."""
 
     def __init__(self, parent: Path) -> None:
@@ -191,8 +191,7 @@ class _Spool:
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     def append(self, data: bytes) -> None:
-        if self.fd < 0:
-            self.parent.mkdir(parents=True, exist_ok=True)
+        if self.fd < 0:  # the caller's directory must exist: the spool makes none
             directory = tempfile.mkdtemp(prefix=SPOOL_PREFIX, suffix=".tmp", dir=self.parent)
             try:
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC

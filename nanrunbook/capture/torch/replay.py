@@ -473,6 +473,12 @@ def _optimizer_stage(
     )
 
 
+def _spool_dir(target: str | Path | None) -> Path | None:
+    """Beside ``target`` when its directory exists (else the write refuses it)."""
+    parent = Path(target).parent if target is not None else None
+    return parent if parent is not None and parent.is_dir() else None
+
+
 def replay(
     model: Any,
     optimizer: Any,
@@ -704,7 +710,7 @@ def replay_step(
         "incident_owner": incident_owner,
         "last_known_good": last_known_good,
         # Written at once: the tensors stream to a spool beside the target.
-        "spool_dir": Path(target).parent if target is not None else None,
+        "spool_dir": _spool_dir(target),
     }
     replayed = replay(model, optimizer, recipe, owner, **identity)
     if compiled:
