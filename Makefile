@@ -49,6 +49,12 @@ bench-sentinel: $(VENV)/.test-installed
 bench-warnings: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_warnings.py $(BENCH_ARGS)
 
+# `make bench-bundle-write`: peak host memory and time of writing a 256 MiB bundle,
+# the writer holding it in memory against streaming it to a spool (spool_dir=).
+.PHONY: bench-bundle-write
+bench-bundle-write: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_bundle_write.py $(BENCH_ARGS)
+
 # `make bench-diff`: time `nanrunbook diff` of two 1 GiB bundles (a few tensors differ)
 # against checking both, same run. BENCH_ARGS="--runs 9" for more.
 bench-diff: $(VENV)/.test-installed

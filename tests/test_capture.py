@@ -478,7 +478,7 @@ def test_recount_rejection_from_the_full_check_leaves_nothing(
     captured = w._tensors[0]
     w._tensors[0] = dataclasses.replace(
         captured,
-        tensor=RawTensor("F32", captured.tensor.shape, np.full(4, np.nan, "float32").tobytes()),
+        data=np.full(4, np.nan, "float32").tobytes(),
     )
     with pytest.raises(EvidenceRejected) as refused:
         w.write(tmp_path / "bundle")

@@ -279,8 +279,17 @@ def manifest(bundle: Path) -> dict[str, Any]:
     return json.loads((bundle / "manifest.json").read_bytes())
 
 
-def captured(w: BundleWriter) -> dict[str, bytes]:
-    return {c.name: c.tensor.data for c in w._tensors}
+def captured(w: BundleWriter, bundle: Path | None = None) -> dict[str, bytes]:
+    """The tensor bytes a writer holds, or (a streaming one's) those it wrote to ``bundle``."""
+    if bundle is None:
+        return {c.name: c.tensor.data for c in w._tensors}
+    data = (bundle / "tensors.safetensors").read_bytes()
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:start])
+    offsets = {name: entry["data_offsets"] for name, entry in header.items()}
+    return {
+        c.name: data[start + offsets[c.name][0] : start + offsets[c.name][1]] for c in w._tensors
+    }
 
 
 SCENARIOS = {
@@ -478,7 +487,7 @@ def test_scaled_gradients_are_the_unscaled_ones_times_the_scale(tmp_path: Path) 
         False,
         512.0,
     )
-    ones, twos = captured(unscaled), captured(scaled)
+    ones, twos = captured(unscaled), captured(scaled, tmp_path / "b")
     for name in (n for n in ones if n.startswith("grad/")):
         a = np.frombuffer(ones[name], "<f4")
         b = np.frombuffer(twos[name], "<f4")

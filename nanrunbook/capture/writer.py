@@ -12,20 +12,36 @@ registers torch tensors of any device and dtype). The writer imports no
 framework: framework modules import the writer, never the reverse. Each tensor
 is copied to host bytes when it is observed, so later in-place changes to the
 live tensor do not alter the evidence.
+
+Given a ``spool_dir``, the writer streams: each tensor's bytes are counted,
+hashed and appended to a data file in a private spool directory (made under
+``spool_dir`` when the first tensor comes) as it is observed, and let go, so a
+writer holds about one tensor in memory whatever the bundle's size. ``write``
+then puts the header down and copies the spooled bytes after it in the kernel.
+Without one, the bytes are kept in memory until ``write``, as ever. The file
+bytes are the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanrunbook.capture.atomic import atomic_directory, write_synced
+from nanrunbook.capture.atomic import (
+    atomic_directory,
+    write_synced,
+    write_synced_copy,
+)
 from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
 from nanrunbook.dtypes import DTYPES, NUMPY_DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation
@@ -34,7 +50,7 @@ from nanrunbook.manifest.parse import RECOVERY_PARTS
 from nanrunbook.records import STAGE_ORDER, Counts
 from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path
 from nanrunbook.tensors.counting import Tally, combine, tally_bytes
-from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
+from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks, safetensors_header
 
 if TYPE_CHECKING:
     from nanrunbook.verdict.report import Report
@@ -131,9 +147,77 @@ def _seal_all(raws: list[RawTensor]) -> list[tuple[Tally, str]]:
 @dataclass(frozen=True, slots=True)
 class _Captured:
     name: str
-    tensor: RawTensor
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
     probe: str
     sha256: str
+    data: bytes | None  # None: the bytes are in the writer's spool, in capture order
+
+    @property
+    def tensor(self) -> RawTensor:
+        """The tensor as observed (an in-memory writer's only)."""
+        if self.data is None:
+            raise ValueError(f"the bytes of {self.name!r} are spooled to disk, not in memory")
+        return RawTensor(self.dtype, self.shape, self.data)
+
+
+def _captured(name: str, raw: RawTensor, probe: str, digest: str, keep: bool) -> _Captured:
+    data = raw.data if keep else None
+    return _Captured(name, raw.dtype, raw.shape, len(raw.data), probe, digest, data)
+
+
+SPOOL_PREFIX = ".nanrunbook-spool."
+
+
+def _remove_spool(fd: int, directory: str, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child never removes its parent's spool
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Spool:
+    """Tensor bytes appended, in capture order, to one data file of a private
+    directory made in ``parent`` (which must exist) at the first append. The directory goes when
+    :meth:`release` is called, when the spool is garbage, or at exit."""
+
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+        self.fd = -1
+        self.size = 0
+        self.directory: Path | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def append(self, data: bytes) -> None:
+        if self.fd < 0:  # the caller's directory must exist: the spool makes none
+            directory = tempfile.mkdtemp(prefix=SPOOL_PREFIX, suffix=".tmp", dir=self.parent)
+            try:
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                self.fd = os.open(os.path.join(directory, "data"), flags, 0o600)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self.directory = Path(directory)
+            self._finalizer = weakref.finalize(self, _remove_spool, self.fd, directory, os.getpid())
+        view = memoryview(data)
+        offset = self.size
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
+        self.size = offset
+
+    def truncate(self, size: int) -> None:
+        """Forget what was appended after ``size`` (a stage that failed midway)."""
+        if self.fd >= 0 and self.size != size:
+            os.ftruncate(self.fd, size)
+        self.size = size
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.fd, self.size, self.directory = -1, 0, None
 
 
 class BundleWriter:
@@ -142,7 +226,10 @@ class BundleWriter:
     Record stages with :meth:`observe`, :meth:`summarize` or :meth:`not_run`;
     :meth:`not_run_rest` marks every stage not yet recorded as NOT_RUN (stages
     are written in contract order whatever order they are recorded in).
-    Tensors are kept in memory, as host bytes, until :meth:`write`.
+    Tensors are kept in memory, as host bytes, until :meth:`write`; given a
+    ``spool_dir``, they are streamed to a private spool directory under it as
+    they are observed instead (see the module's docstring); a write that fails
+    or is refused removes the spool with it (the writer cannot write again).
     """
 
     def __init__(
@@ -154,6 +241,7 @@ class BundleWriter:
         binding: Mapping[str, Mapping[str, Any]],
         last_known_good: Mapping[str, Any],
         evidence_id: str | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.run_id = run_id
         self.step = step
@@ -170,6 +258,9 @@ class BundleWriter:
         self.evidence_id = evidence_id or f"{run_id}.step-{step}"
         self._stages: list[dict[str, Any]] = []
         self._tensors: list[_Captured] = []
+        self._spool = _Spool(Path(spool_dir)) if spool_dir is not None else None
+        self._spent: str | None = None  # why the spooled bytes are gone
+        self._written: tuple[Path, int] | None = None  # a bundle's tensor file holding them
 
     @property
     def recorded(self) -> tuple[str, ...]:
@@ -221,12 +312,15 @@ class BundleWriter:
         record = self._base(
             stage, "OBSERVED", owner, probe_source, telemetry_id, tensor_set_id, gradients
         )
-        raws = [(name, as_raw(value), probe) for name, value, probe in tensors]
-        sealed = _seal_all([raw for _, raw, _ in raws])
-        captured = [
-            _Captured(name, raw, probe, digest)
-            for (name, raw, probe), (_, digest) in zip(raws, sealed, strict=True)
-        ]
+        if self._spool is None:
+            raws = [(name, as_raw(value), probe) for name, value, probe in tensors]
+            sealed = _seal_all([raw for _, raw, _ in raws])
+            captured = [
+                _captured(name, raw, probe, digest, keep=True)
+                for (name, raw, probe), (_, digest) in zip(raws, sealed, strict=True)
+            ]
+        else:
+            captured, sealed = self._stream(tensors)
         total = combine([tally for tally, _ in sealed])
         record.update(
             resolution="complete",
@@ -234,8 +328,8 @@ class BundleWriter:
                 {
                     "name": c.name,
                     "file": TENSOR_FILE,
-                    "dtype": c.tensor.dtype,
-                    "shape": list(c.tensor.shape),
+                    "dtype": c.dtype,
+                    "shape": list(c.shape),
                     "sha256": c.sha256,
                     "probe": c.probe,
                 }
@@ -247,6 +341,50 @@ class BundleWriter:
         self._stages.append(record)
         self._tensors.extend(captured)
         return total.counts
+
+    def _stream(
+        self, tensors: Iterable[tuple[str, Any, str]]
+    ) -> tuple[list[_Captured], list[tuple[Tally, str]]]:
+        """Count, hash and spool each tensor in turn, holding one at a time; a
+        stage that fails midway leaves the spool as it was before it."""
+        spool = self._spool
+        assert spool is not None
+        if self._spent is not None:
+            raise RuntimeError(self._spent)
+        start = spool.size
+        captured: list[_Captured] = []
+        sealed: list[tuple[Tally, str]] = []
+        try:
+            for name, value, probe in tensors:
+                raw = as_raw(value)
+                seal = _seal(raw)
+                spool.append(raw.data)
+                captured.append(_captured(name, raw, probe, seal[1], keep=False))
+                sealed.append(seal)
+                del raw
+        except BaseException:
+            spool.truncate(start)
+            raise
+        return captured, sealed
+
+    def _put_tensor_file(self, path: Path) -> int:
+        """Write the safetensors file of everything observed to ``path``; returns
+        where its tensor data starts."""
+        if self._spool is None:
+            chunks = safetensors_chunks([(c.name, c.tensor) for c in self._tensors])
+            write_synced(path, chunks)
+            return 0  # where the data starts matters to a streaming writer only
+        head = safetensors_header((c.name, c.dtype, c.shape, c.nbytes) for c in self._tensors)
+        if self._written is not None:  # the spool went into a bundle: copy from there
+            source, offset = self._written
+            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                write_synced_copy(path, head, fd, offset, os.fstat(fd).st_size - offset)
+            finally:
+                os.close(fd)
+        else:
+            write_synced_copy(path, head, self._spool.fd, 0, self._spool.size)
+        return len(head)
 
     def summarize(
         self,
@@ -378,8 +516,10 @@ class BundleWriter:
         Raises EvidenceRejected (nothing is written) when the check would reject
         the bundle, FileNotFoundError (naming ``target``) when the directory
         ``target`` would be in does not exist, and FileExistsError when
-        ``target`` exists and ``overwrite`` is false. ``overwrite`` replaces only a directory holding a manifest.json
-        (a bundle), in one atomic swap where the system supports it.
+        ``target`` exists and ``overwrite`` is false, and RuntimeError when a
+        streaming writer's earlier write failed and took its spooled bytes with
+        it. ``overwrite`` replaces only a directory holding a manifest.json (a
+        bundle), in one atomic swap where the system supports it.
         """
         self.write_checked(target, overwrite=overwrite, caps=caps)
         return Path(target)
@@ -405,15 +545,32 @@ class BundleWriter:
                 raise FileExistsError(
                     f"{target} exists and has no {MANIFEST_FILE}; refusing to replace it"
                 )
-        manifest = self._validated_manifest(caps)
-        with atomic_directory(target, overwrite=overwrite) as temp:
-            if self._tensors:
+        if self._spent is not None:
+            raise RuntimeError(self._spent)
+        if not overwrite and (target.exists() or target.is_symlink()):
+            raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+        try:
+            manifest = self._validated_manifest(caps)
+            with atomic_directory(target, overwrite=overwrite) as temp:
+                data_start = self._put_tensor_file(temp / TENSOR_FILE) if self._tensors else 0
                 write_synced(
-                    temp / TENSOR_FILE,
-                    safetensors_chunks([(c.name, c.tensor) for c in self._tensors]),
+                    temp / MANIFEST_FILE, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)]
                 )
-            write_synced(temp / MANIFEST_FILE, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)])
-            report = check_bundle(temp, caps=caps)  # raises EvidenceRejected; temp removed
+                report = check_bundle(temp, caps=caps)  # raises EvidenceRejected; temp removed
+        except BaseException:
+            if self._spool is not None and self._spool.fd >= 0:
+                # Nothing of a failed or refused write stays on disk, the spool included.
+                self._spool.release()
+                self._spent = (
+                    f"the writer's spooled tensor bytes were removed when its write to"
+                    f" {target} failed; record the stages again in a new BundleWriter"
+                )
+            raise
+        if self._spool is not None and self._spool.fd >= 0:
+            # The bundle now holds the spooled bytes (checked against their
+            # digests): later writes copy from it, and the spool goes.
+            self._written = (target / TENSOR_FILE, data_start)
+            self._spool.release()
         return dataclasses.replace(report, bundle=str(target))
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.records import element_count
 from nanrunbook.tensors.safetensors import U64_MAX
 
-__all__ = ["RawTensor", "safetensors_chunks"]
+__all__ = ["RawTensor", "safetensors_chunks", "safetensors_header"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,21 +45,28 @@ class RawTensor:
             )
 
 
-def safetensors_chunks(tensors: Sequence[tuple[str, RawTensor]]) -> Iterator[bytes]:
-    """The file's bytes, in pieces: length, padded header, then each tensor's data."""
+def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int], int]]) -> bytes:
+    """The file's first bytes, before any tensor data: the header length and the
+    padded header, for ``(name, dtype, shape, nbytes)`` in file order (the data
+    follows back to back, so the offsets need only the sizes)."""
     header: dict[str, object] = {}
     offset = 0
-    for name, tensor in tensors:
+    for name, dtype, shape, nbytes in entries:
         if name in header or name == "__metadata__":
             raise ValueError(f"tensor name {name!r} is repeated or reserved")
         header[name] = {
-            "dtype": tensor.dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(tensor.data)],
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += len(tensor.data)
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
-    yield struct.pack("<Q", len(text)) + text
+    return struct.pack("<Q", len(text)) + text
+
+
+def safetensors_chunks(tensors: Sequence[tuple[str, RawTensor]]) -> Iterator[bytes]:
+    """The file's bytes, in pieces: length, padded header, then each tensor's data."""
+    yield safetensors_header((name, t.dtype, t.shape, len(t.data)) for name, t in tensors)
     for _, tensor in tensors:
         yield tensor.data

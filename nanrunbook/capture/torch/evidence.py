@@ -158,6 +158,8 @@ def capture_step(
     )
     owner = dict.fromkeys(STAGE_ORDER, facts.incident_owner)
     try:
+        run_directory = root / facts.run_id  # the bundle goes below it, its spool in it
+        run_directory.mkdir(parents=True, exist_ok=True)
         replayed = replay(
             objects.model,
             objects.optimizer,
@@ -167,6 +169,7 @@ def capture_step(
             step=record.number,
             incident_owner=facts.incident_owner,
             last_known_good=last_known_good,
+            spool_dir=run_directory,  # the tensors stream to disk as they are taken
         )
         notes = _compare(objects, record, replayed)
         derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}

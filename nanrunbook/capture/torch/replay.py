@@ -353,6 +353,8 @@ def _forward_stages(
         owner=owner["loss"],
         probe_source="loss returned by compute_loss, before backward",
     )
+    for taken in (forward.inputs, forward.activations, forward.losses):
+        taken.clear()  # the writer has them: a streaming one spooled them, so let them go
     return forward
 
 
@@ -469,6 +471,12 @@ def _optimizer_stage(
         owner=owner["optimizer"],
         probe_source="optimizer.step() on the copy: state after, and the update it applied",
     )
+
+
+def _spool_dir(target: str | Path | None) -> Path | None:
+    """Beside ``target`` when its directory exists (else the write refuses it)."""
+    parent = Path(target).parent if target is not None else None
+    return parent if parent is not None and parent.is_dir() else None
 
 
 def replay(
@@ -701,6 +709,8 @@ def replay_step(
         "step": step,
         "incident_owner": incident_owner,
         "last_known_good": last_known_good,
+        # Written at once: the tensors stream to a spool beside the target.
+        "spool_dir": _spool_dir(target),
     }
     replayed = replay(model, optimizer, recipe, owner, **identity)
     if compiled:
