@@ -37,11 +37,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanrunbook.capture.torch.sentinel as sentinel_module
-import nanrunbook.capture.torch.steps as steps_module
+import nanrunbook.capture.torch.sentinel._sentinel as sentinel_module
+import nanrunbook.capture.torch.sentinel._steps as steps_module
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
 from nanrunbook.capture.torch.sentinel import Sentinel as _Base
-from nanrunbook.capture.torch.steps import ClipCall as _ClipCall
+from nanrunbook.capture.torch.sentinel._steps import ClipCall as _ClipCall
 
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 VOCAB = 8192

@@ -715,8 +715,8 @@ def test_a_sampled_step_sees_probes_in_execution_order() -> None:
 def test_exact_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> None:
     """The sentinel's device counts (NaN, +inf, -inf, finite max abs) against the
     bit-pattern counting the check uses, on tensors with and without specials."""
-    from nanrunbook.capture.torch.checks import exact_counts
-    from nanrunbook.capture.torch.convert import tensor_to_raw
+    from nanrunbook.capture.torch._convert import tensor_to_raw
+    from nanrunbook.capture.torch.sentinel._checks import exact_counts
     from nanrunbook.tensors.counting import combine, tally_bytes
 
     g = torch.Generator().manual_seed(7)
@@ -798,7 +798,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
 def test_the_norm_kernel_is_chosen_by_measurement_and_rechecked() -> None:
     """Both kernels give the same norms; both are timed first, then the faster
     is used, and the other is timed again every ``recheck`` calls."""
-    from nanrunbook.capture.torch.checks import NormChooser
+    from nanrunbook.capture.torch.sentinel._checks import NormChooser
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(50, 40, generator=g), torch.randn(7, generator=g)]

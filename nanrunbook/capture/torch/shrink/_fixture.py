@@ -37,13 +37,18 @@ import torch
 
 from nanrunbook._version import __version__
 from nanrunbook.capture.atomic import atomic_directory, write_synced
-from nanrunbook.capture.findings import OpKey, Shrink
-from nanrunbook.capture.torch.convert import tensor_to_raw
-from nanrunbook.capture.torch.copies import clone_batch, flatten
-from nanrunbook.capture.torch.failing import FailingStep, replay, resolved, select_examples
-from nanrunbook.capture.torch.finiteness import all_finite, requires_grad_flags
-from nanrunbook.capture.torch.fixture_template import TEST_SOURCE
-from nanrunbook.capture.torch.locate import Captured, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._copies import clone_batch, flatten
+from nanrunbook.capture.torch.shrink._failing_step import (
+    FailingStep,
+    replay,
+    resolved,
+    select_examples,
+)
+from nanrunbook.capture.torch.shrink._finiteness import all_finite, requires_grad_flags
+from nanrunbook.capture.torch.shrink._fixture_template import TEST_SOURCE
+from nanrunbook.capture.torch.shrink._locate import Captured, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch.shrink._results import OpKey, Shrink
 from nanrunbook.records import STAGE_ORDER
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 

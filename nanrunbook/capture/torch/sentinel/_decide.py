@@ -28,11 +28,11 @@ from nanrunbook.capture.telemetry import (
     headroom_bits,
     magnitude_alerts,
 )
-from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients
-from nanrunbook.capture.torch.evidence import StepObjects, capture_step
-from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Ranks
-from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
-from nanrunbook.capture.torch.steps import GradFindings, StepRecord, grad_probe
+from nanrunbook.capture.torch.sentinel._capture import StepObjects, capture_step
+from nanrunbook.capture.torch.sentinel._checks import Counted, Readout, exact_counts, gradients
+from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Ranks
+from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
+from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 
 __all__ = ["Decisions"]
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanrunbook.capture.torch.binding import add_weight
-from nanrunbook.capture.torch.convert import safetensors_dtype, tensor_to_raw
-from nanrunbook.capture.torch.copies import flatten
+from nanrunbook.capture.torch._convert import safetensors_dtype, tensor_to_raw
+from nanrunbook.capture.torch._copies import flatten
+from nanrunbook.capture.torch.replay._binding import add_weight
 
 __all__ = ["ExtremesSampler", "ForwardCapture", "leaf", "probe"]
 

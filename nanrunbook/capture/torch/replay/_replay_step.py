@@ -22,7 +22,9 @@ from typing import Any, Literal
 
 import torch
 
-from nanrunbook.capture.torch.binding import (
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, copy_scaler, flatten
+from nanrunbook.capture.torch.replay._binding import (
     batch_binding,
     cuda_devices,
     environment_binding,
@@ -32,9 +34,7 @@ from nanrunbook.capture.torch.binding import (
     random_state_binding,
     topology_binding,
 )
-from nanrunbook.capture.torch.convert import tensor_to_raw
-from nanrunbook.capture.torch.copies import clone_batch, copy_optimizer, copy_scaler, flatten
-from nanrunbook.capture.torch.recording import ForwardCapture, leaf
+from nanrunbook.capture.torch.replay._recording import ForwardCapture, leaf
 from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.manifest.parse import BINDING_ITEMS
 from nanrunbook.records import STAGE_ORDER

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.findings import TensorFacts
-from nanrunbook.capture.torch.copies import flatten
+from nanrunbook.capture.torch._copies import flatten
+from nanrunbook.capture.torch.shrink._results import TensorFacts
 
 __all__ = [
     "all_finite",

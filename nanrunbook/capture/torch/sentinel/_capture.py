@@ -12,9 +12,15 @@ from typing import Any
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
-from nanrunbook.capture.torch.binding import model_binding, scheduler_binding
-from nanrunbook.capture.torch.replay import Scaling, StepRecipe, bind, replay
-from nanrunbook.capture.torch.steps import StepRecord
+from nanrunbook.capture.torch.replay import (
+    Scaling,
+    StepRecipe,
+    bind,
+    model_binding,
+    replay,
+    scheduler_binding,
+)
+from nanrunbook.capture.torch.sentinel._steps import StepRecord
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.records import STAGE_ORDER
 

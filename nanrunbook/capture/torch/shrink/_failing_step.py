@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.findings import ShrinkError
-from nanrunbook.capture.torch.binding import cuda_devices
-from nanrunbook.capture.torch.copies import clone_batch, copy_scaler, flatten
-from nanrunbook.capture.torch.finiteness import all_finite
-from nanrunbook.capture.torch.replay import RngState
+from nanrunbook.capture.torch._copies import clone_batch, copy_scaler, flatten
+from nanrunbook.capture.torch.replay import RngState, cuda_devices
+from nanrunbook.capture.torch.shrink._finiteness import all_finite
+from nanrunbook.capture.torch.shrink._results import ShrinkError
 
 __all__ = ["FailingStep", "Ran", "Stop", "replay", "resolved", "select_examples"]
 

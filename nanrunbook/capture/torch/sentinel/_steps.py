@@ -19,7 +19,8 @@ from nanrunbook.capture.telemetry import (
     loss_class,
     mean_loss,
 )
-from nanrunbook.capture.torch.checks import (
+from nanrunbook.capture.torch.replay import Clipping, ExtremesSampler, MicroBatch
+from nanrunbook.capture.torch.sentinel._checks import (
     Counted,
     GradNorms,
     Readout,
@@ -27,9 +28,7 @@ from nanrunbook.capture.torch.checks import (
     max_rows,
     nonfinite_flag,
 )
-from nanrunbook.capture.torch.recording import ExtremesSampler
-from nanrunbook.capture.torch.replay import Clipping, MicroBatch
-from nanrunbook.capture.torch.snapshot import Buffers
+from nanrunbook.capture.torch.sentinel._snapshot import Buffers
 
 __all__ = ["ClipCall", "GradFindings", "StepRecord"]
 

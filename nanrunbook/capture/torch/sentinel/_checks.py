@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.torch.convert import safetensors_dtype
+from nanrunbook.capture.torch._convert import safetensors_dtype
 
 __all__ = [
     "Counted",

@@ -14,7 +14,7 @@ non-finite, and in which rows); a *capture* keeps what the fixture needs of it
   create, so a NaN made by functional code between modules, or by the loss, is
   located at its function.
 
-Both raise :class:`~nanrunbook.capture.torch.failing.Stop` to end a watched
+Both raise :class:`~nanrunbook.capture.torch.shrink._failing_step.Stop` to end a watched
 replay early. Needs torch; imported only by the shrink.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanrunbook.capture.findings import OpKey, TensorFacts
-from nanrunbook.capture.torch.copies import clone_batch, flatten
-from nanrunbook.capture.torch.failing import Stop
-from nanrunbook.capture.torch.finiteness import (
+from nanrunbook.capture.torch._copies import clone_batch, flatten
+from nanrunbook.capture.torch.replay import _listening as listening
+from nanrunbook.capture.torch.shrink._failing_step import Stop
+from nanrunbook.capture.torch.shrink._finiteness import (
     all_finite,
     autocast_state,
     inputs_facts,
@@ -40,7 +40,7 @@ from nanrunbook.capture.torch.finiteness import (
     requires_grad_flags,
     tensor_finite,
 )
-from nanrunbook.capture.torch.recording import _listening as listening
+from nanrunbook.capture.torch.shrink._results import OpKey, TensorFacts
 
 __all__ = ["Captured", "Found", "FunctionObserver", "ModuleObserver", "function_name"]
 
