@@ -138,7 +138,7 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(Exit.INTERRUPTED) from None
         except BrokenPipeError:
             # Only output that carries no verdict gets here (help, documents).
-            from nanrunbook.cli.judge import silence
+            from nanrunbook.cli._judging import silence
 
             silence(sys.stdout)
             raise typer.Exit(Exit.CONTINUE) from None

@@ -180,7 +180,7 @@ def _follow(
     until_step: int | None,
     options: _Options,
 ) -> int:
-    from nanrunbook.cli.judge import silence
+    from nanrunbook.cli._judging import silence
     from nanrunbook.telemetry.reader import TelemetryUnreadable
     from nanrunbook.telemetry.summary import Summariser
     from nanrunbook.telemetry.watch import FollowInterrupted, follow
@@ -212,7 +212,7 @@ def _follow(
 
 def _finish(summary: WatchSummary, options: _Options) -> int:
     """Print the summary, write the plot file; the exit code."""
-    from nanrunbook.cli.judge import emit
+    from nanrunbook.cli._judging import emit
 
     write = functools.partial(
         options.renderer.watch_summary, summary, sys.stdout, plots=options.plots

@@ -61,12 +61,12 @@ class JsonRenderer(Renderer):
             out.write(json_text(diff_document(result)))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
-        from nanrunbook.telemetry.document import watch_document
+        from nanrunbook.telemetry.watch_document import watch_document
 
         out.write(json_text(watch_document(summary)))
 
     def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
-        from nanrunbook.telemetry.document import event_document
+        from nanrunbook.telemetry.watch_document import event_document
 
         # One compact object per line, flushed: a live stream for jq or a log shipper.
         out.write(orjson.dumps(event_document(event)).decode() + "\n")

@@ -17,7 +17,6 @@ from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected, quote
 from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding, TensorFinding
-from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
 from nanrunbook.verdict.incident_set import (
     REJECTED,
     IncidentSet,
@@ -28,6 +27,7 @@ from nanrunbook.verdict.incident_set import (
 )
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+from nanrunbook.verdict.wording import counts_phrase, number, shape_text
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
