@@ -747,7 +747,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
         RngState,
         Scaling,
         StepRecipe,
-        replay,
+        replay_recipe,
     )
 
     torch.manual_seed(0)
@@ -788,7 +788,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
         "last_known_good": {"checkpoint_id": "c", "step": 2, "verified_together": PARTS},
     }
     owner = dict.fromkeys(("input", "forward", "loss", "backward", "optimizer"), "o")
-    done = replay(pre_model, pre_optimizer, recipe, owner, **identity)
+    done = replay_recipe(pre_model, pre_optimizer, recipe, owner, **identity)
     data = {c.name: c.tensor.data for c in done.writer._tensors}
     for name, param in model.named_parameters():
         assert data[f"grad/{name}"] == grads[name][2], name  # unscaled, before clipping

@@ -9,7 +9,7 @@ import orjson
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
-from nanrunbook.verdict.incident_set import IncidentSet, Outcome, set_document
+from nanrunbook.verdict.incident_set import CheckOutcome, IncidentSet, set_document
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import (
     Report,
@@ -75,14 +75,14 @@ class JsonRenderer(Renderer):
     def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
         out.write(json_text(set_document(result)))
 
-    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[CheckOutcome], exit_code: int, out: IO[str]) -> None:
         out.write(json_text([outcome_document(outcome) for outcome in outcomes]))
 
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         out.write(json_text(outcome_document(judgement)))
 
 
-def outcome_document(outcome: Outcome) -> dict[str, Any]:
+def outcome_document(outcome: CheckOutcome) -> dict[str, Any]:
     """One path's document: a set's, a report, or a rejection (with what it declares)."""
     if isinstance(outcome, IncidentSet):
         return set_document(outcome)

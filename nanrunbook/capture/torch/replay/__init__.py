@@ -14,9 +14,9 @@ from nanrunbook.capture.torch.replay._binding import (
     model_binding,
     scheduler_binding,
 )
-from nanrunbook.capture.torch.replay._recording import ExtremesSampler, _listening, leaf, probe
+from nanrunbook.capture.torch.replay._recording import ExtremesSampler, leaf, listening, probe
 from nanrunbook.capture.torch.replay._replay_step import (
-    _REQUIRED_BINDING,
+    REQUIRED_BINDING,
     Autocast,
     Clipping,
     MicroBatch,
@@ -24,12 +24,12 @@ from nanrunbook.capture.torch.replay._replay_step import (
     Scaling,
     StepRecipe,
     bind,
-    replay,
+    replay_recipe,
     replay_step,
 )
 
 __all__ = [
-    "_REQUIRED_BINDING",
+    "REQUIRED_BINDING",
     "Autocast",
     "Clipping",
     "ExtremesSampler",
@@ -37,15 +37,15 @@ __all__ = [
     "RngState",
     "Scaling",
     "StepRecipe",
-    "_listening",
     "add_weight",
     "bind",
     "cuda_devices",
     "heaviest",
     "leaf",
+    "listening",
     "model_binding",
     "probe",
-    "replay",
+    "replay_recipe",
     "replay_step",
     "scheduler_binding",
 ]

@@ -40,6 +40,7 @@ from nanrunbook.manifest.parse import BINDING_ITEMS
 from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
+    "REQUIRED_BINDING",
     "Autocast",
     "Clipping",
     "MicroBatch",
@@ -47,7 +48,7 @@ __all__ = [
     "RngState",
     "Scaling",
     "StepRecipe",
-    "replay",
+    "replay_recipe",
     "replay_step",
 ]
 
@@ -409,7 +410,7 @@ def _optimizer_stage(
     )
 
 
-def replay(
+def replay_recipe(
     model: Any,
     optimizer: Any,
     recipe: StepRecipe,
@@ -481,7 +482,7 @@ def bind(
 
 # ------------------------------------------------------------- replay_step (API)
 
-_REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
+REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
 
 
 def _micro_batch_for(seed: int | None, rng_state: Any, batch: Any) -> MicroBatch:
@@ -499,7 +500,7 @@ def _micro_batch_for(seed: int | None, rng_state: Any, batch: Any) -> MicroBatch
 
 def _refuse_what_cannot_be_true(binding: Mapping[str, Any], gradients: str, scaler: Any) -> bool:
     """Raise for arguments that cannot give a true bundle; True with a dynamic scaler."""
-    missing = [name for name in _REQUIRED_BINDING if name not in binding]
+    missing = [name for name in REQUIRED_BINDING if name not in binding]
     if missing:
         raise ValueError(f"binding needs {', '.join(missing)}: replay_step cannot derive them")
     if gradients not in ("unscaled", "scaled"):
@@ -584,7 +585,7 @@ def replay_step(
         "incident_owner": incident_owner,
         "last_known_good": last_known_good,
     }
-    replayed = replay(model, optimizer, recipe, owner, **identity)
+    replayed = replay_recipe(model, optimizer, recipe, owner, **identity)
     bind(replayed, model, optimizer, binding)
     if target is not None:
         replayed.writer.write(target, overwrite=overwrite)

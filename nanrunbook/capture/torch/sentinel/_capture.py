@@ -17,7 +17,7 @@ from nanrunbook.capture.torch.replay import (
     StepRecipe,
     bind,
     model_binding,
-    replay,
+    replay_recipe,
     scheduler_binding,
 )
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
@@ -91,7 +91,7 @@ def capture_step(
     )
     owner = dict.fromkeys(STAGE_ORDER, facts.incident_owner)
     try:
-        replayed = replay(
+        replayed = replay_recipe(
             objects.model,
             objects.optimizer,
             recipe,

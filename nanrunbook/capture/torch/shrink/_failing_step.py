@@ -22,7 +22,7 @@ from nanrunbook.capture.torch.replay import RngState, cuda_devices
 from nanrunbook.capture.torch.shrink._finiteness import all_finite
 from nanrunbook.capture.torch.shrink._results import ShrinkError
 
-__all__ = ["FailingStep", "Ran", "Stop", "replay", "resolved", "select_examples"]
+__all__ = ["FailingStep", "Ran", "Stop", "replay_examples", "resolved", "select_examples"]
 
 
 class Stop(BaseException):
@@ -150,7 +150,7 @@ def _scaled(step: FailingStep, loss: Any) -> Any:
     return loss if step.loss_scale is None else loss * step.loss_scale
 
 
-def replay(
+def replay_examples(
     step: FailingStep,
     examples: tuple[int, ...] | None,
     observers: Callable[[Any], list[Any]],

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.torch.shrink._ddmin import Minimised, ddmin
-from nanrunbook.capture.torch.shrink._failing_step import FailingStep, replay, resolved
+from nanrunbook.capture.torch.shrink._failing_step import FailingStep, replay_examples, resolved
 from nanrunbook.capture.torch.shrink._finiteness import all_finite, nonfinite_rows
 from nanrunbook.capture.torch.shrink._locate import Found, FunctionObserver, ModuleObserver
 from nanrunbook.capture.torch.shrink._results import (
@@ -88,7 +88,7 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
         observers.append(ModuleObserver(model, batch_size=size, passing_on=batch_bad))
         return observers
 
-    ran = replay(step, None, attach, backward=True)
+    ran = replay_examples(step, None, attach, backward=True)
     survey = observers[0]
     stage = _stage(batch_bad, survey, ran)
     if stage is None:
@@ -136,7 +136,7 @@ def _function_survey(
         )
         return observers
 
-    replay(step, None, attach, backward=backward)
+    replay_examples(step, None, attach, backward=backward)
     return observers[0]
 
 
@@ -213,7 +213,7 @@ def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on:
         observers.append(observer)
         return observers
 
-    replay(step, examples, attach, backward=key.backward)
+    replay_examples(step, examples, attach, backward=key.backward)
     return observers[0]
 
 
