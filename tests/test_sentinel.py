@@ -698,7 +698,7 @@ def test_a_sampled_step_sees_probes_in_execution_order() -> None:
     order the forward ran them; afterwards nothing listens."""
     from sentinel_support import Pooler
 
-    from nanrunbook.capture.torch import recording
+    from nanrunbook.capture.torch.replay import _recording as recording
 
     torch.manual_seed(0)
     model = Pooler()
