@@ -44,14 +44,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanrunbook.capture.torch.sentinel as sentinel_module
-import nanrunbook.capture.torch.steps as steps_module
+import nanrunbook.capture.torch.sentinel._sentinel as sentinel_module
+import nanrunbook.capture.torch.sentinel._steps as steps_module
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, _offload
 from nanrunbook.capture.torch._memory import peak_allocated
-from nanrunbook.capture.torch.checks import max_rows
 from nanrunbook.capture.torch.sentinel import Sentinel as _Base
-from nanrunbook.capture.torch.steps import ClipCall as _ClipCall
-from nanrunbook.capture.torch.steps import update_extremes as _update_extremes
+from nanrunbook.capture.torch.sentinel._checks import max_rows
+from nanrunbook.capture.torch.sentinel._steps import ClipCall as _ClipCall
+from nanrunbook.capture.torch.sentinel._steps import update_extremes as _update_extremes
 
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 VOCAB = 8192

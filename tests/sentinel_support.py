@@ -494,7 +494,7 @@ def _digest(net: nn.Module) -> list[Any]:
 def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import nanrunbook.capture.torch.decide as decide
+    import nanrunbook.capture.torch.sentinel._decide as decide
 
     group = None
     if case.groups:  # every rank creates every group, in the same order

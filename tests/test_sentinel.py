@@ -726,7 +726,7 @@ def test_a_sampled_step_sees_probes_in_execution_order() -> None:
     order the forward ran them; afterwards nothing listens."""
     from sentinel_support import Pooler
 
-    from nanrunbook.capture.torch import recording
+    from nanrunbook.capture.torch.replay import _recording as recording
 
     torch.manual_seed(0)
     model = Pooler()
@@ -743,8 +743,8 @@ def test_a_sampled_step_sees_probes_in_execution_order() -> None:
 def test_exact_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> None:
     """The sentinel's device counts (NaN, +inf, -inf, finite max abs) against the
     bit-pattern counting the check uses, on tensors with and without specials."""
-    from nanrunbook.capture.torch.checks import exact_counts
-    from nanrunbook.capture.torch.convert import tensor_to_raw
+    from nanrunbook.capture.torch._convert import tensor_to_raw
+    from nanrunbook.capture.torch.sentinel._checks import exact_counts
     from nanrunbook.tensors.counting import combine, tally_bytes
 
     g = torch.Generator().manual_seed(7)
@@ -775,7 +775,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
         RngState,
         Scaling,
         StepRecipe,
-        replay,
+        replay_recipe,
     )
 
     torch.manual_seed(0)
@@ -816,7 +816,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
         "last_known_good": {"checkpoint_id": "c", "step": 2, "verified_together": PARTS},
     }
     owner = dict.fromkeys(("input", "forward", "loss", "backward", "optimizer"), "o")
-    done = replay(pre_model, pre_optimizer, recipe, owner, **identity)
+    done = replay_recipe(pre_model, pre_optimizer, recipe, owner, **identity)
     data = {c.name: c.tensor.data for c in done.writer._tensors}
     for name, param in model.named_parameters():
         assert data[f"grad/{name}"] == grads[name][2], name  # unscaled, before clipping
@@ -826,7 +826,7 @@ def test_the_replay_clips_scales_and_accumulates_as_the_loop_did() -> None:
 def test_the_norm_kernel_is_chosen_by_measurement_and_rechecked() -> None:
     """Both kernels give the same norms; both are timed first, then the faster
     is used, and the other is timed again every ``recheck`` calls."""
-    from nanrunbook.capture.torch.checks import NormChooser
+    from nanrunbook.capture.torch.sentinel._checks import NormChooser
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(50, 40, generator=g), torch.randn(7, generator=g)]

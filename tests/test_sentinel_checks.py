@@ -73,7 +73,7 @@ def test_without_clipping_the_headroom_says_it_is_from_the_tensor_norms(tmp_path
 
 def test_clipping_part_of_the_parameters_bounds_nothing_it_did_not_see(tmp_path: Path) -> None:
     """A norm over some parameters says nothing of the others' gradients."""
-    from nanrunbook.capture.torch.steps import ClipCall
+    from nanrunbook.capture.torch.sentinel._steps import ClipCall
 
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
     a.grad, b.grad = torch.ones(2), torch.ones(2)
@@ -93,8 +93,13 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 def test_fp8_counts_agree_with_the_checks_own_counting(dtype: torch.dtype) -> None:
     """Flag, norms, maxima and exact counts of fp8 tensors (no CPU kernel reduces
     them: each is widened exactly), against the check's bit-pattern counts."""
-    from nanrunbook.capture.torch.checks import GradNorms, exact_counts, max_rows, nonfinite_flag
-    from nanrunbook.capture.torch.convert import tensor_to_raw
+    from nanrunbook.capture.torch._convert import tensor_to_raw
+    from nanrunbook.capture.torch.sentinel._checks import (
+        GradNorms,
+        exact_counts,
+        max_rows,
+        nonfinite_flag,
+    )
     from nanrunbook.tensors.counting import combine, tally_bytes
 
     g = torch.Generator().manual_seed(7)
@@ -254,9 +259,9 @@ def test_the_scalers_flags_and_the_sampled_extremes_join_on_the_accelerator() ->
     come from each module's device: both are joined where the read is made."""
     from types import SimpleNamespace
 
-    from nanrunbook.capture.torch.checks import Readout
-    from nanrunbook.capture.torch.decide import Decisions
-    from nanrunbook.capture.torch.steps import StepRecord
+    from nanrunbook.capture.torch.sentinel._checks import Readout
+    from nanrunbook.capture.torch.sentinel._decide import Decisions
+    from nanrunbook.capture.torch.sentinel._steps import StepRecord
 
     optimizer = object()
     per_device = {"cpu": torch.zeros(()), "meta": torch.zeros((), device="meta")}

@@ -67,7 +67,7 @@ def test_a_sampled_step_keeps_one_parameter_delta_at_a_time(tmp_path: Path) -> N
 
 
 def test_update_extremes_is_the_max_abs_of_every_delta() -> None:
-    from nanrunbook.capture.torch.steps import update_extremes
+    from nanrunbook.capture.torch.sentinel._steps import update_extremes
 
     g = torch.Generator().manual_seed(3)
     before = [torch.randn(40, generator=g).to(torch.bfloat16) for _ in range(3)]

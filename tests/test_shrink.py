@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nanrunbook import check_bundle
-from nanrunbook.capture.ddmin import ddmin
-from nanrunbook.capture.findings import OpKey
-from nanrunbook.capture.torch import fixture as fixture_module
 from nanrunbook.capture.torch import tensor_to_raw
-from nanrunbook.capture.torch.failing import FailingStep
-from nanrunbook.capture.torch.fixture import FixtureError, write_fixture
-from nanrunbook.capture.torch.shrink import ShrinkError, ShrinkOnHold, shrink
+from nanrunbook.capture.torch.shrink import _fixture as fixture_module
+from nanrunbook.capture.torch.shrink._ddmin import ddmin
+from nanrunbook.capture.torch.shrink._failing_step import FailingStep
+from nanrunbook.capture.torch.shrink._fixture import FixtureError, write_fixture
+from nanrunbook.capture.torch.shrink._results import OpKey
+from nanrunbook.capture.torch.shrink._shrink import ShrinkError, ShrinkOnHold, shrink
 from tests import shrink_models as sm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,9 +182,8 @@ def probed_attention_step() -> FailingStep:
 def sentinel_step() -> FailingStep:
     """As a sentinel holds a step: its objects, and a micro-batch whose autocast
     region the loop opened around compute_loss (not inside it)."""
-    from nanrunbook.capture.torch.evidence import StepObjects
-    from nanrunbook.capture.torch.recording import leaf
-    from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
+    from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState, leaf
+    from nanrunbook.capture.torch.sentinel._capture import StepObjects
 
     torch.manual_seed(0)
     x = torch.randn(16, 5, 8, generator=gen(13)) * 0.5

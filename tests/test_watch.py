@@ -520,7 +520,7 @@ def test_random_bytes_are_bad_lines_not_a_crash(tmp_path: Path) -> None:
 
 
 def test_the_man_page_names_every_summary_key(runs: dict[str, Path]) -> None:
-    from nanrunbook.telemetry.document import watch_document
+    from nanrunbook.telemetry.watch_document import watch_document
 
     page = (Path(__file__).parent.parent / "man" / "nanrunbook.1").read_text()
     section = page.split(".SH TELEMETRY\n", 1)[1].split("\n.SH ", 1)[0].replace("\\-", "-")

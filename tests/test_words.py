@@ -54,7 +54,7 @@ def test_a_rejected_set_of_one_member_says_member(tmp_path: Path) -> None:
 
 
 def test_the_held_line_of_a_rank_whose_own_bundle_is_clean() -> None:
-    from nanrunbook.capture.torch.evidence import held_line
+    from nanrunbook.capture.torch.sentinel._capture import held_line
 
     clean = check_bundle(FIXTURES / "continue-all-finite")
     line = held_line(7, Path("incident/run/step-7/rank-1"), clean, peer=True)

@@ -170,7 +170,7 @@ def check(
 
     Example: nanrunbook check --fail-on-warnings fixtures/continue-all-finite
     """
-    from nanrunbook.cli.judge import judge, judge_many
+    from nanrunbook.cli._judging import judge, judge_many
 
     if brief and format is not CheckFormat.text:
         raise typer.BadParameter(

@@ -64,7 +64,7 @@ def diff(
 
     Example: nanrunbook diff fixtures/hold-forward-bf16 fixtures/continue-all-finite --format kv
     """
-    from nanrunbook.cli.judge import emit
+    from nanrunbook.cli._judging import emit
     from nanrunbook.diff import ComparisonRejected, diff_bundles
     from nanrunbook.output.progress import check_progress
     from nanrunbook.output.renderers import RENDERERS

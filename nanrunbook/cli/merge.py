@@ -43,7 +43,7 @@ def merge(
 
     Example: nanrunbook merge reports/node-0.json reports/node-1.json --format kv
     """
-    from nanrunbook.cli.judge import emit
+    from nanrunbook.cli._judging import emit
     from nanrunbook.output.renderers import RENDERERS
     from nanrunbook.verdict.merge import merge_reports
 

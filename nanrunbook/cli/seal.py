@@ -41,7 +41,7 @@ def seal_and_judge(bundle: Path, *, force: bool, format: str, out: IO[str], err:
     its summary goes to ``err`` and the check's verdict to ``out``.
     """
     from nanrunbook.capture.seal import seal_bundle
-    from nanrunbook.cli.judge import emit_rejection, judge
+    from nanrunbook.cli._judging import emit_rejection, judge
     from nanrunbook.errors import EvidenceRejected
 
     try:

@@ -199,8 +199,8 @@ def _follow(
     stops: tuple[float | None, int | None, float],
     options: _Options,
 ) -> int:
+    from nanrunbook.cli._judging import emit
     from nanrunbook.cli._streams import reader_gone
-    from nanrunbook.cli.judge import emit
     from nanrunbook.telemetry.reader import TelemetryUnreadable
     from nanrunbook.telemetry.summary import Summariser
     from nanrunbook.telemetry.watch import FollowInterrupted, follow
@@ -232,7 +232,7 @@ def _follow(
 
 def _finish(summary: WatchSummary, options: _Options) -> int:
     """Print the summary, write the plot file; the exit code."""
-    from nanrunbook.cli.judge import emit
+    from nanrunbook.cli._judging import emit
 
     write = functools.partial(
         options.renderer.watch_summary, summary, sys.stdout, plots=options.plots

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from nanrunbook.errors import EvidenceRejected
-from nanrunbook.verdict.incident_set import IncidentSet, Outcome
+from nanrunbook.verdict.incident_set import CheckOutcome, IncidentSet
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
@@ -52,7 +52,7 @@ class Renderer(ABC):
         """An incident set's verdict, one row per rank (``check`` on a set, ``merge``)."""
 
     @abstractmethod
-    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[CheckOutcome], exit_code: int, out: IO[str]) -> None:
         """Several paths judged each on its own (``check A/ B/ C/``), in the order
         given; ``exit_code`` is the command's, the most severe of theirs under
         ``--fail-on-warnings`` or not."""

@@ -9,7 +9,7 @@ import orjson
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
-from nanrunbook.verdict.incident_set import IncidentSet, Outcome, set_document
+from nanrunbook.verdict.incident_set import CheckOutcome, IncidentSet, set_document
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import (
     Report,
@@ -61,12 +61,12 @@ class JsonRenderer(Renderer):
             out.write(json_text(diff_document(result)))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
-        from nanrunbook.telemetry.document import watch_document
+        from nanrunbook.telemetry.watch_document import watch_document
 
         out.write(json_text(watch_document(summary)))
 
     def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
-        from nanrunbook.telemetry.document import event_document
+        from nanrunbook.telemetry.watch_document import event_document
 
         # One compact object per line, flushed: a live stream for jq or a log shipper.
         out.write(orjson.dumps(event_document(event)).decode() + "\n")
@@ -75,14 +75,14 @@ class JsonRenderer(Renderer):
     def incident_set(self, result: IncidentSet, out: IO[str]) -> None:
         out.write(json_text(set_document(result)))
 
-    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[CheckOutcome], exit_code: int, out: IO[str]) -> None:
         out.write(json_text([outcome_document(outcome) for outcome in outcomes]))
 
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         out.write(json_text(outcome_document(judgement)))
 
 
-def outcome_document(outcome: Outcome) -> dict[str, Any]:
+def outcome_document(outcome: CheckOutcome) -> dict[str, Any]:
     """One path's document: a set's, a report, or a rejection (with what it declares)."""
     if isinstance(outcome, IncidentSet):
         return set_document(outcome)

@@ -17,8 +17,8 @@ from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.output.base import Renderer
 from nanrunbook.verdict.incident_set import (
     REJECTED,
+    CheckOutcome,
     IncidentSet,
-    Outcome,
     SetViolation,
     rank_list,
 )
@@ -209,7 +209,7 @@ class KvRenderer(Renderer):
         ]
         _write(lines, out)
 
-    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[CheckOutcome], exit_code: int, out: IO[str]) -> None:
         """``checked=N``, then each path's own lines, as one path prints them, with
         its position in the arguments as a prefix: ``1.decision=HOLD``."""
         lines = [f"checked={len(outcomes)}"]

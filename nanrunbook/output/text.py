@@ -17,17 +17,17 @@ from nanrunbook.contract import HOLD
 from nanrunbook.errors import EvidenceRejected, quote
 from nanrunbook.output.base import Renderer
 from nanrunbook.records import StageFinding, TensorFinding
-from nanrunbook.verdict.evidence import counts_phrase, number, shape_text
 from nanrunbook.verdict.incident_set import (
     REJECTED,
+    CheckOutcome,
     IncidentSet,
-    Outcome,
     SetMember,
     SetViolation,
     rank_list,
 )
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
+from nanrunbook.verdict.wording import counts_phrase, number, shape_text
 
 if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
@@ -235,7 +235,7 @@ class TextRenderer(Renderer):
                 ),
             )
 
-    def many(self, outcomes: Sequence[Outcome], exit_code: int, out: IO[str]) -> None:
+    def many(self, outcomes: Sequence[CheckOutcome], exit_code: int, out: IO[str]) -> None:
         from rich.text import Text
 
         console = self._console(out)
@@ -1238,13 +1238,13 @@ def _warning_summary(codes: Sequence[str]) -> str:
     return ",".join(shown) or "-"
 
 
-def _outcome_decision(outcome: Outcome) -> str:
+def _outcome_decision(outcome: CheckOutcome) -> str:
     if isinstance(outcome, IncidentSet):
         return outcome.decision
     return outcome.report.decision.decision if outcome.report is not None else REJECTED
 
 
-def _outcome_line(outcome: Outcome) -> str:
+def _outcome_line(outcome: CheckOutcome) -> str:
     if isinstance(outcome, IncidentSet):
         where = quote(outcome.path) if outcome.path is not None else "merged reports"
         line = f"{where} (incident set, {outcome.ranks_present} of {outcome.world_size} ranks)"

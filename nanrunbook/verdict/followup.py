@@ -26,16 +26,16 @@ from nanrunbook.records import (
     TensorFinding,
     TensorHeadroom,
 )
-from nanrunbook.verdict.evidence import (
+from nanrunbook.verdict.precision import closest_to_limit
+from nanrunbook.verdict.report import Report
+from nanrunbook.verdict.runbook import STAGE_STEPS, Section, Step, find_step
+from nanrunbook.verdict.wording import (
     counts_phrase,
     number,
     reported_magnitude,
     shape_text,
     stages_before,
 )
-from nanrunbook.verdict.precision import closest_to_limit
-from nanrunbook.verdict.report import Report
-from nanrunbook.verdict.runbook import STAGE_STEPS, Section, Step, find_step
 
 __all__ = ["checklist_for"]
 

@@ -36,8 +36,8 @@ __all__ = [
     "ORIGINS",
     "REJECTED",
     "SET_REPORT_FORMAT",
+    "CheckOutcome",
     "IncidentSet",
-    "Outcome",
     "SetMember",
     "SetViolation",
     "judge_set",
@@ -456,4 +456,4 @@ def _member_document(member: SetMember) -> dict[str, Any]:
 
 
 # What ``nanrunbook check`` answers for one path: a bundle's judgement or a set's verdict.
-Outcome = Judgement | IncidentSet
+CheckOutcome = Judgement | IncidentSet

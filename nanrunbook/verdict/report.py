@@ -26,9 +26,9 @@ from nanrunbook.records import (
     TensorFinding,
     TensorHeadroom,
 )
-from nanrunbook.verdict.evidence import reported_magnitude
 from nanrunbook.verdict.precision import headroom
 from nanrunbook.verdict.runbook import Section
+from nanrunbook.verdict.wording import reported_magnitude
 
 __all__ = [
     "REPORT_FORMAT",

@@ -25,9 +25,8 @@ this package, and importing it registers torch tensors with the (framework-free)
 
 from nanrunbook.capture.incident import SentinelHold
 from nanrunbook.capture.telemetry import Thresholds
-from nanrunbook.capture.torch.convert import TORCH_DTYPES, tensor_to_raw
-from nanrunbook.capture.torch.recording import probe
-from nanrunbook.capture.torch.replay import replay_step
+from nanrunbook.capture.torch._convert import TORCH_DTYPES, tensor_to_raw
+from nanrunbook.capture.torch.replay import probe, replay_step
 from nanrunbook.capture.torch.sentinel import Sentinel
 from nanrunbook.capture.torch.shrink import FailingStep, ShrinkOnHold, shrink_step
 

@@ -20,7 +20,8 @@ from nanrunbook.capture.telemetry import (
     loss_class,
     mean_loss,
 )
-from nanrunbook.capture.torch.checks import (
+from nanrunbook.capture.torch.replay import Clipping, ExtremesSampler, MicroBatch, OutputExtremes
+from nanrunbook.capture.torch.sentinel._checks import (
     Counted,
     GradNorms,
     Readout,
@@ -29,9 +30,7 @@ from nanrunbook.capture.torch.checks import (
     max_rows,
     nonfinite_flag,
 )
-from nanrunbook.capture.torch.recording import ExtremesSampler, OutputExtremes
-from nanrunbook.capture.torch.replay import Clipping, MicroBatch
-from nanrunbook.capture.torch.snapshot import Buffers
+from nanrunbook.capture.torch.sentinel._snapshot import Buffers
 
 __all__ = ["ClipCall", "GradFindings", "StepRecord", "update_extremes"]
 

@@ -37,13 +37,18 @@ import torch
 
 from nanrunbook._version import __version__
 from nanrunbook.capture.atomic import atomic_directory, write_synced
-from nanrunbook.capture.findings import OpKey, Shrink
-from nanrunbook.capture.torch.convert import tensor_to_raw
-from nanrunbook.capture.torch.copies import clone_batch, flatten
-from nanrunbook.capture.torch.failing import FailingStep, replay, resolved, select_examples
-from nanrunbook.capture.torch.finiteness import all_finite, requires_grad_flags
-from nanrunbook.capture.torch.fixture_template import TEST_SOURCE
-from nanrunbook.capture.torch.locate import Captured, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._copies import clone_batch, flatten
+from nanrunbook.capture.torch.shrink._failing_step import (
+    FailingStep,
+    replay_examples,
+    resolved,
+    select_examples,
+)
+from nanrunbook.capture.torch.shrink._finiteness import all_finite, requires_grad_flags
+from nanrunbook.capture.torch.shrink._fixture_template import TEST_SOURCE
+from nanrunbook.capture.torch.shrink._locate import CapturedCall, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch.shrink._results import OpKey, Shrink
 from nanrunbook.records import STAGE_ORDER
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
@@ -85,8 +90,8 @@ class _ModelCalls:
 
 @dataclass(frozen=True, slots=True)
 class _Captures:
-    op: Captured
-    module: Captured | None  # the module whose code called the function operation
+    op: CapturedCall
+    module: CapturedCall | None  # the module whose code called the function operation
     model: _ModelCalls | None  # for an operation in compute_loss: the model's outputs
     model_calls_before: int | None  # how many model calls had returned when it ran
 
@@ -127,7 +132,7 @@ def _capture(step: FailingStep, result: Shrink) -> _Captures:
         observers.extend(_observers(key, len(result.examples), passing_on, model))
         return observers
 
-    replay(step, result.examples, attach, backward=key.backward)
+    replay_examples(step, result.examples, attach, backward=key.backward)
     first = observers[0]
     if not first.reproduced:
         raise FixtureError(
@@ -220,7 +225,7 @@ class _Tensors:
         return {name: hashlib.sha256(raw.data).hexdigest() for name, raw in self.raw.items()}
 
 
-def _call_document(label: str, call: Captured, store: _Tensors) -> tuple[dict[str, Any], Any]:
+def _call_document(label: str, call: CapturedCall, store: _Tensors) -> tuple[dict[str, Any], Any]:
     """One call's inputs into ``store``; returns its fixture.json entry and its
     argument structure (for export)."""
     leaves: list[Any] = []
@@ -267,14 +272,14 @@ class _Call(torch.nn.Module):
         return call(*args, **kwargs)
 
 
-def _autocast(call: Captured) -> AbstractContextManager[Any]:
+def _autocast(call: CapturedCall) -> AbstractContextManager[Any]:
     if call.autocast is None:
         return nullcontext()
     device, dtype = call.autocast
     return torch.autocast(device, dtype=getattr(torch, dtype))
 
 
-def _module(step: FailingStep, call: Captured) -> Any:
+def _module(step: FailingStep, call: CapturedCall) -> Any:
     """The module of ``call``, copied from the caller's model (without the observers'
     hooks) and loaded with the state it had when the call ran."""
     module = copy.deepcopy(step.model.get_submodule(call.key.path))
@@ -282,7 +287,7 @@ def _module(step: FailingStep, call: Captured) -> Any:
     return module
 
 
-def _export(path: Path, target: Any, call: Captured, structure: Any) -> str | None:
+def _export(path: Path, target: Any, call: CapturedCall, structure: Any) -> str | None:
     """Save the operation as a torch.export program; None, or the reason it failed."""
     leaves: list[Any] = []
     _structure((call.args, call.kwargs), leaves)
@@ -470,7 +475,7 @@ def _bundle(path: Path, step: FailingStep, batch: Any, identity: Mapping[str, An
         Scaling,
         StepRecipe,
         bind,
-        replay,
+        replay_recipe,
     )
 
     if step.scaler is not None and step.scaler.is_enabled():
@@ -490,18 +495,20 @@ def _bundle(path: Path, step: FailingStep, batch: Any, identity: Mapping[str, An
     owner = dict.fromkeys(STAGE_ORDER, identity["incident_owner"])
     owner.update(identity.get("owners") or {})
     names = ("run_id", "step", "incident_owner", "last_known_good")
-    replayed = replay(step.model, step.optimizer, recipe, owner, **{k: identity[k] for k in names})
+    replayed = replay_recipe(
+        step.model, step.optimizer, recipe, owner, **{k: identity[k] for k in names}
+    )
     bind(replayed, step.model, step.optimizer, identity["binding"])
     return replayed.writer.write_checked(path).decision
 
 
 def _check_identity(identity: Mapping[str, Any]) -> None:
     """Refuse, before any replay, bundle arguments the bundle cannot be made from."""
-    from nanrunbook.capture.torch.replay import _REQUIRED_BINDING
+    from nanrunbook.capture.torch.replay import REQUIRED_BINDING
 
     needed = ("run_id", "step", "incident_owner", "last_known_good", "binding")
     missing = [k for k in needed if k not in identity]
-    missing += [k for k in _REQUIRED_BINDING if k not in identity.get("binding", {})]
+    missing += [k for k in REQUIRED_BINDING if k not in identity.get("binding", {})]
     if missing:
         raise FixtureError(f"the fixture's bundle needs {', '.join(missing)} in bundle=")
 

@@ -45,23 +45,30 @@ from nanrunbook.capture.telemetry import (
     TelemetryFile,
     Thresholds,
 )
+from nanrunbook.capture.torch._copies import clone_batch, eager_module
 from nanrunbook.capture.torch._offload import REPLAY_MEMORY, ReplayMemory
-from nanrunbook.capture.torch.binding import add_weight, heaviest
-from nanrunbook.capture.torch.copies import clone_batch, eager_module
-from nanrunbook.capture.torch.decide import STOP, Decisions
-from nanrunbook.capture.torch.evidence import StepObjects
-from nanrunbook.capture.torch.intercept import Intercepts
-from nanrunbook.capture.torch.ranks import LocalGradients, Ranks
-from nanrunbook.capture.torch.recording import ExtremesSampler, OutputExtremes, leaf
-from nanrunbook.capture.torch.replay import Autocast, MicroBatch, RngState
-from nanrunbook.capture.torch.snapshot import (
+from nanrunbook.capture.torch.replay import (
+    Autocast,
+    ExtremesSampler,
+    MicroBatch,
+    OutputExtremes,
+    RngState,
+    add_weight,
+    heaviest,
+    leaf,
+)
+from nanrunbook.capture.torch.sentinel._capture import StepObjects
+from nanrunbook.capture.torch.sentinel._decide import STOP, Decisions
+from nanrunbook.capture.torch.sentinel._intercept import Intercepts
+from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Ranks
+from nanrunbook.capture.torch.sentinel._snapshot import (
     SNAPSHOT_PLACES,
     Buffers,
     SnapshotPlace,
     StateSnapshot,
     reset_scaler_step,
 )
-from nanrunbook.capture.torch.steps import ClipCall, StepRecord
+from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
 
 __all__ = ["Policy", "Sentinel"]
 

@@ -1,7 +1,7 @@
 """Delta debugging (ddmin) over a batch's examples: a smallest subset that still fails.
 
 Pure search, no torch: ``fails(subset)`` is a replay on copies (see
-:mod:`nanrunbook.capture.shrink`). The search splits in two first, so one bad
+:mod:`nanrunbook.capture.torch.shrink`). The search splits in two first, so one bad
 example among ``n`` takes at most ``2 * ceil(log2(n))`` trials; results are
 cached, so no subset is replayed twice.
 """

@@ -22,6 +22,14 @@ from typing import Any, Literal
 
 import torch
 
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._copies import (
+    clone_batch,
+    copy_optimizer,
+    copy_scaler,
+    eager_module,
+    flatten,
+)
 from nanrunbook.capture.torch._faithfulness import (
     HostRandom,
     determinism_facts,
@@ -30,7 +38,7 @@ from nanrunbook.capture.torch._faithfulness import (
     kept,
 )
 from nanrunbook.capture.torch._offload import ReplayMemory, Room, room_for_replay
-from nanrunbook.capture.torch.binding import (
+from nanrunbook.capture.torch.replay._binding import (
     batch_binding,
     cuda_devices,
     environment_binding,
@@ -40,20 +48,13 @@ from nanrunbook.capture.torch.binding import (
     random_state_binding,
     topology_binding,
 )
-from nanrunbook.capture.torch.convert import tensor_to_raw
-from nanrunbook.capture.torch.copies import (
-    clone_batch,
-    copy_optimizer,
-    copy_scaler,
-    eager_module,
-    flatten,
-)
-from nanrunbook.capture.torch.recording import ForwardCapture, leaf
+from nanrunbook.capture.torch.replay._recording import ForwardCapture, leaf
 from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.manifest.parse import BINDING_ITEMS
 from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
+    "REQUIRED_BINDING",
     "Autocast",
     "Clipping",
     "MicroBatch",
@@ -61,7 +62,7 @@ __all__ = [
     "RngState",
     "Scaling",
     "StepRecipe",
-    "replay",
+    "replay_recipe",
     "replay_step",
 ]
 
@@ -479,7 +480,7 @@ def _spool_dir(target: str | Path | None) -> Path | None:
     return parent if parent is not None and parent.is_dir() else None
 
 
-def replay(
+def replay_recipe(
     model: Any,
     optimizer: Any,
     recipe: StepRecipe,
@@ -596,7 +597,7 @@ def mark_eager(writer: BundleWriter) -> None:
 
 # ------------------------------------------------------------- replay_step (API)
 
-_REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
+REQUIRED_BINDING = ("checkpoint", "data", "loader_cursor", "objective", "scheduler")
 
 
 def rng_state_for(seed: int | None, rng_state: Any, generators: Sequence[Any] = ()) -> RngState:
@@ -617,7 +618,7 @@ def rng_state_for(seed: int | None, rng_state: Any, generators: Sequence[Any] = 
 
 def _refuse_what_cannot_be_true(binding: Mapping[str, Any], gradients: str, scaler: Any) -> bool:
     """Raise for arguments that cannot give a true bundle; True with a dynamic scaler."""
-    missing = [name for name in _REQUIRED_BINDING if name not in binding]
+    missing = [name for name in REQUIRED_BINDING if name not in binding]
     if missing:
         raise ValueError(f"binding needs {', '.join(missing)}: replay_step cannot derive them")
     if gradients not in ("unscaled", "scaled"):
@@ -712,7 +713,7 @@ def replay_step(
         # Written at once: the tensors stream to a spool beside the target.
         "spool_dir": _spool_dir(target),
     }
-    replayed = replay(model, optimizer, recipe, owner, **identity)
+    replayed = replay_recipe(model, optimizer, recipe, owner, **identity)
     if compiled:
         mark_eager(replayed.writer)
         replayed.inexact.append(COMPILED_LIVE)

@@ -30,12 +30,18 @@ from nanrunbook.capture.telemetry import (
     magnitude_alerts,
     norm_overflow_alerts,
 )
-from nanrunbook.capture.torch.checks import Counted, Readout, exact_counts, gradients, joined
-from nanrunbook.capture.torch.convert import safetensors_dtype
-from nanrunbook.capture.torch.evidence import StepObjects, capture_step
-from nanrunbook.capture.torch.ranks import LocalGradients, Outcome, Proposal, Ranks
-from nanrunbook.capture.torch.snapshot import StateSnapshot, reset_scaler_step
-from nanrunbook.capture.torch.steps import GradFindings, StepRecord, grad_probe
+from nanrunbook.capture.torch._convert import safetensors_dtype
+from nanrunbook.capture.torch.sentinel._capture import StepObjects, capture_step
+from nanrunbook.capture.torch.sentinel._checks import (
+    Counted,
+    Readout,
+    exact_counts,
+    gradients,
+    joined,
+)
+from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
+from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
+from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 
 __all__ = ["Decisions"]
 

@@ -11,7 +11,14 @@ from nanrunbook.capture.writer import register_converter
 from nanrunbook.dtypes import TORCH_DTYPES
 from nanrunbook.tensors.safetensors_write import RawTensor
 
-__all__ = ["TORCH_DTYPES", "dtype_name", "safetensors_dtype", "tensor_bytes", "tensor_to_raw"]
+__all__ = [
+    "TORCH_DTYPES",
+    "as_checkable",
+    "dtype_name",
+    "safetensors_dtype",
+    "tensor_bytes",
+    "tensor_to_raw",
+]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -88,3 +95,13 @@ def tensor_bytes(tensor: Any) -> tuple[str, tuple[int, ...], Any]:
 
 
 register_converter(torch.Tensor, tensor_to_raw)
+
+
+def as_checkable(tensor: Any) -> Any:
+    """A tensor whose dtype torch's isfinite/isnan support (fp8 widened exactly)."""
+    t = tensor.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj()).float()
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.float()
+    return t

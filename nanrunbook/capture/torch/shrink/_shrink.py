@@ -13,7 +13,7 @@ and RNG state are never touched):
 2. Delta debugging over the batch dimension finds a smallest subset of the
    examples on which that same operation still goes non-finite, trying first
    the rows where its result went non-finite.
-3. Optionally, a fixture (:mod:`nanrunbook.capture.torch.fixture`).
+3. Optionally, a fixture (:mod:`nanrunbook.capture.torch.shrink._fixture`).
 
 Needs torch (``nanrunbook[torch]``).
 """
@@ -28,16 +28,23 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.ddmin import Minimised, ddmin
-from nanrunbook.capture.findings import Operation, OpKey, Shrink, ShrinkError, StepIsFinite
-from nanrunbook.capture.torch.failing import FailingStep, replay, resolved
-from nanrunbook.capture.torch.finiteness import all_finite, nonfinite_rows
-from nanrunbook.capture.torch.locate import Found, FunctionObserver, ModuleObserver
 from nanrunbook.capture.torch.replay import rng_state_for
+from nanrunbook.capture.torch.shrink._ddmin import Minimised, ddmin
+from nanrunbook.capture.torch.shrink._failing_step import FailingStep, replay_examples, resolved
+from nanrunbook.capture.torch.shrink._finiteness import all_finite, nonfinite_rows
+from nanrunbook.capture.torch.shrink._locate import Found, FunctionObserver, ModuleObserver
+from nanrunbook.capture.torch.shrink._results import (
+    Operation,
+    OpKey,
+    Shrink,
+    ShrinkError,
+    StepIsFinite,
+)
 
 __all__ = ["FailingStep", "ShrinkError", "ShrinkOnHold", "StepIsFinite", "shrink", "shrink_step"]
 
-log = logging.getLogger(__name__)
+# The logger keeps its name from before shrink became a package.
+log = logging.getLogger("nanrunbook.capture.torch.shrink")
 
 DEFAULT_MAX_REPLAYS = 48
 
@@ -82,7 +89,7 @@ def _locate(step: FailingStep, size: int, expected: str | None) -> _Located:
         observers.append(ModuleObserver(model, batch_size=size, passing_on=batch_bad))
         return observers
 
-    ran = replay(step, None, attach, backward=True)
+    ran = replay_examples(step, None, attach, backward=True)
     survey = observers[0]
     stage = _stage(batch_bad, survey, ran)
     if stage is None:
@@ -130,7 +137,7 @@ def _function_survey(
         )
         return observers
 
-    replay(step, None, attach, backward=backward)
+    replay_examples(step, None, attach, backward=backward)
     return observers[0]
 
 
@@ -207,7 +214,7 @@ def _trial(step: FailingStep, key: OpKey, examples: tuple[int, ...], passing_on:
         observers.append(observer)
         return observers
 
-    replay(step, examples, attach, backward=key.backward)
+    replay_examples(step, examples, attach, backward=key.backward)
     return observers[0]
 
 
@@ -321,7 +328,7 @@ def shrink(
     rows where the operation went non-finite.
 
     With ``fixture`` a directory is written there (see
-    :func:`nanrunbook.capture.torch.fixture.write_fixture`); ``bundle`` then gives
+    :func:`nanrunbook.capture.torch.shrink._fixture.write_fixture`); ``bundle`` then gives
     :func:`~nanrunbook.capture.torch.replay_step`'s identity arguments (run_id,
     step, incident_owner, last_known_good, binding, and optionally owners) for
     its bundle. Raises ShrinkError with a one-line reason when there is no
@@ -354,7 +361,7 @@ def shrink(
         return result
     if bundle is None:
         raise ShrinkError("a fixture needs bundle= (replay_step's run_id, step, owners, binding)")
-    from nanrunbook.capture.torch.fixture import write_fixture
+    from nanrunbook.capture.torch.shrink._fixture import write_fixture
 
     path = write_fixture(
         fixture, step, result, bundle=bundle, drop_names=drop_names, overwrite=overwrite

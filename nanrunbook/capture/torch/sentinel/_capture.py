@@ -14,7 +14,6 @@ import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hol
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import incident_bundle_path
 from nanrunbook.capture.torch._offload import ReplayMemory
-from nanrunbook.capture.torch.binding import model_binding, scheduler_binding, topology_binding
 from nanrunbook.capture.torch.replay import (
     COMPILED_LIVE,
     EAGER_REPLAY,
@@ -23,9 +22,12 @@ from nanrunbook.capture.torch.replay import (
     StepRecipe,
     bind,
     mark_eager,
-    replay,
+    model_binding,
+    replay_recipe,
+    scheduler_binding,
+    topology_binding,
 )
-from nanrunbook.capture.torch.steps import StepRecord
+from nanrunbook.capture.torch.sentinel._steps import StepRecord
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.records import STAGE_ORDER
 from nanrunbook.verdict.report import Report
@@ -160,7 +162,7 @@ def capture_step(
     try:
         run_directory = root / facts.run_id  # the bundle goes below it, its spool in it
         run_directory.mkdir(parents=True, exist_ok=True)
-        replayed = replay(
+        replayed = replay_recipe(
             objects.model,
             objects.optimizer,
             recipe,

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanrunbook.capture.torch.binding import add_weight
-from nanrunbook.capture.torch.convert import safetensors_dtype, tensor_to_raw
-from nanrunbook.capture.torch.copies import flatten
+from nanrunbook.capture.torch._convert import safetensors_dtype, tensor_to_raw
+from nanrunbook.capture.torch._copies import flatten
+from nanrunbook.capture.torch.replay._binding import add_weight
 
-__all__ = ["ExtremesSampler", "ForwardCapture", "OutputExtremes", "leaf", "probe"]
+__all__ = ["ExtremesSampler", "ForwardCapture", "OutputExtremes", "leaf", "listening", "probe"]
 
 T = TypeVar("T")
 Sink = Callable[[str, Any], None]
@@ -38,7 +38,7 @@ def probe(name: str, value: T) -> T:
 
 
 @contextmanager
-def _listening(sink: Sink) -> Iterator[None]:
+def listening(sink: Sink) -> Iterator[None]:
     global _SINK
     previous, _SINK = _SINK, sink
     try:
@@ -88,7 +88,7 @@ class _Observer:
             for path, module in self._model.named_modules():
                 if self._choose(path, module):
                     handles.append(module.register_forward_hook(self._module_hook(path)))
-            with _listening(self._probe):
+            with listening(self._probe):
                 yield
         finally:
             for handle in handles:

@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.findings import ShrinkError
-from nanrunbook.capture.torch.binding import cuda_devices
-from nanrunbook.capture.torch.copies import clone_batch, copy_scaler, flatten
-from nanrunbook.capture.torch.finiteness import all_finite
-from nanrunbook.capture.torch.replay import RngState
+from nanrunbook.capture.torch._copies import clone_batch, copy_scaler, flatten
+from nanrunbook.capture.torch.replay import RngState, cuda_devices
+from nanrunbook.capture.torch.shrink._finiteness import all_finite
+from nanrunbook.capture.torch.shrink._results import ShrinkError
 
-__all__ = ["FailingStep", "Ran", "Stop", "replay", "resolved", "select_examples"]
+__all__ = ["FailingStep", "Ran", "Stop", "replay_examples", "resolved", "select_examples"]
 
 
 class Stop(BaseException):
@@ -151,7 +150,7 @@ def _scaled(step: FailingStep, loss: Any) -> Any:
     return loss if step.loss_scale is None else loss * step.loss_scale
 
 
-def replay(
+def replay_examples(
     step: FailingStep,
     examples: tuple[int, ...] | None,
     observers: Callable[[Any], list[Any]],

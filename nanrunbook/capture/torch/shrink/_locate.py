@@ -14,7 +14,7 @@ non-finite, and in which rows); a *capture* keeps what the fixture needs of it
   create, so a NaN made by functional code between modules, or by the loss, is
   located at its function.
 
-Both raise :class:`~nanrunbook.capture.torch.failing.Stop` to end a watched
+Both raise :class:`~nanrunbook.capture.torch.shrink._failing_step.Stop` to end a watched
 replay early. Needs torch; imported only by the shrink.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanrunbook.capture.findings import OpKey, TensorFacts
-from nanrunbook.capture.torch.copies import clone_batch, flatten
-from nanrunbook.capture.torch.failing import Stop
-from nanrunbook.capture.torch.finiteness import (
+from nanrunbook.capture.torch._copies import clone_batch, flatten
+from nanrunbook.capture.torch.replay import listening
+from nanrunbook.capture.torch.shrink._failing_step import Stop
+from nanrunbook.capture.torch.shrink._finiteness import (
     all_finite,
     autocast_state,
     inputs_facts,
@@ -40,9 +40,9 @@ from nanrunbook.capture.torch.finiteness import (
     requires_grad_flags,
     tensor_finite,
 )
-from nanrunbook.capture.torch.recording import _listening as listening
+from nanrunbook.capture.torch.shrink._results import OpKey, TensorFacts
 
-__all__ = ["Captured", "Found", "FunctionObserver", "ModuleObserver", "function_name"]
+__all__ = ["CapturedCall", "Found", "FunctionObserver", "ModuleObserver", "function_name"]
 
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -80,7 +80,7 @@ class Found:
 
 
 @dataclass
-class Captured:
+class CapturedCall:
     """What a fixture needs of one operation call, copied when it ran: the
     module's state (its state_dict, cloned; the module itself is rebuilt from
     the caller's model, without the probe's hooks) or the torch function, its
@@ -157,7 +157,7 @@ class ModuleObserver:
         self.rows: frozenset[int] | None = None
         self.first_bad_grad_output: str | None = None
         self._capture = capture and target is not None
-        self._kept: dict[int, Captured] = {}
+        self._kept: dict[int, CapturedCall] = {}
         self._grad_outputs: dict[int, Any] = {}
         self._inputs: dict[tuple[str, int], tuple[Any, Any]] = {}  # survey: for backward facts
         self._calls: dict[str, int] = {}
@@ -203,7 +203,7 @@ class ModuleObserver:
         """How many times the module at ``path`` ran forward in this replay."""
         return self._calls.get(path, 0)
 
-    def captured_call(self, call: int | None = None) -> Captured | None:
+    def captured_call(self, call: int | None = None) -> CapturedCall | None:
         """The kept forward call ``call`` of the target's module (by default the
         target's; for a backward target, the call its backward firing undid),
         with the gradients its backward received."""
@@ -247,7 +247,7 @@ class ModuleObserver:
                 self._inputs[(path, call)] = (args, kwargs)
             t = self.target
             if self._capture and t is not None and (t.backward or t.call == call):
-                self._kept[call] = Captured(
+                self._kept[call] = CapturedCall(
                     OpKey("module", path, call),
                     state={k: v.detach().clone() for k, v in module.state_dict().items()},
                     args=clone_batch(args),
@@ -467,7 +467,7 @@ class FunctionObserver(TorchFunctionMode):
         self.backward: Found | None = None
         self.reproduced = False
         self.rows: frozenset[int] | None = None
-        self.captured: Captured | None = None
+        self.captured: CapturedCall | None = None
         self._capture = capture and target is not None
         self._counts: dict[tuple[str, int, str], int] = {}
         self._calls = _CallStack(model)
@@ -513,7 +513,7 @@ class FunctionObserver(TorchFunctionMode):
         autocast = autocast_state((args, kwargs))
         if self._capture:
             self.model_calls_before = self._calls.model_calls_done
-            self.captured = Captured(
+            self.captured = CapturedCall(
                 key,
                 function=func,
                 args=clone_batch(args),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.torch.convert import safetensors_dtype, tensor_bytes, tensor_to_raw
+from nanrunbook.capture.torch._convert import safetensors_dtype, tensor_bytes, tensor_to_raw
 
 __all__ = [
     "add_weight",

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.findings import TensorFacts
-from nanrunbook.capture.torch.copies import flatten
+from nanrunbook.capture.torch._convert import as_checkable
+from nanrunbook.capture.torch._copies import flatten
+from nanrunbook.capture.torch.shrink._results import TensorFacts
 
 __all__ = [
     "all_finite",
@@ -25,16 +26,6 @@ __all__ = [
     "requires_grad_flags",
     "tensor_finite",
 ]
-
-
-def _as_checkable(tensor: Any) -> Any:
-    """A tensor whose dtype torch's isfinite/isnan support (fp8 widened exactly)."""
-    t = tensor.detach()
-    if t.is_complex():
-        return torch.view_as_real(t.resolve_conj()).float()
-    if t.is_floating_point() and t.element_size() == 1:
-        return t.float()
-    return t
 
 
 def _floating(value: Any) -> bool:
@@ -60,7 +51,7 @@ def tensor_finite(tensor: Any) -> bool:
     on a 2M-element float32 tensor), which allocates a mask."""
     if not _floating(tensor) or tensor.numel() == 0:
         return True
-    low, high = torch.aminmax(_as_checkable(tensor))
+    low, high = torch.aminmax(as_checkable(tensor))
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
@@ -82,7 +73,7 @@ def nonfinite_rows(value: Any, size: int) -> frozenset[int] | None:
     for _, tensor in flatten(value, ""):
         if not _floating(tensor) or tensor.dim() == 0 or tensor.shape[0] != size:
             continue
-        bad = ~torch.isfinite(_as_checkable(tensor)).reshape(size, -1).all(dim=1)
+        bad = ~torch.isfinite(as_checkable(tensor)).reshape(size, -1).all(dim=1)
         rows = (rows or set()) | {int(i) for i in torch.nonzero(bad).flatten().tolist()}
     return None if rows is None else frozenset(rows)
 
@@ -98,7 +89,7 @@ def facts(name: str, tensor: Any) -> TensorFacts:
         high = float(values.max()) if values is not None else None
         top = float(values.abs().max()) if values is not None else None
         return TensorFacts(name, dtype, shape, n, 0, 0, 0, low, high, top)
-    t = _as_checkable(tensor).double()
+    t = as_checkable(tensor).double()
     nan, pos, neg = int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum())
     finite = t[torch.isfinite(t)]
     if finite.numel() == 0:

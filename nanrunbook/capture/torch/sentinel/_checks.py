@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from nanrunbook.capture.torch.convert import safetensors_dtype
-from nanrunbook.capture.torch.finiteness import _as_checkable
+from nanrunbook.capture.torch._convert import as_checkable, safetensors_dtype
 
 __all__ = [
     "Counted",
@@ -148,7 +147,7 @@ def _norms(tensors: list[Any]) -> Any:
     (:class:`NormChooser`), one norm per widened tensor for fp8 (no fused kernel
     takes it), one fused ``_foreach_norm`` otherwise."""
     if tensors and tensors[0].element_size() == 1:
-        return torch.stack([torch.linalg.vector_norm(_as_checkable(t)) for t in tensors])
+        return torch.stack([torch.linalg.vector_norm(as_checkable(t)) for t in tensors])
     if tensors and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     ):
@@ -209,7 +208,7 @@ def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
     for (_, dtype), group in _by_device_dtype(tensors).items():
         per = []
         for tensor in group:
-            t = _as_checkable(tensor)
+            t = as_checkable(tensor)
             finite = torch.isfinite(t)
             zero = torch.zeros((), dtype=t.dtype, device=t.device)
             per.append(
@@ -236,7 +235,7 @@ def count_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:
 
 def _maxima(group: list[Any]) -> Any:
     """Each tensor's largest magnitude, a 1-D float32 tensor on the group's device."""
-    return torch.stack([_as_checkable(t).abs().amax().float() for t in group])
+    return torch.stack([as_checkable(t).abs().amax().float() for t in group])
 
 
 def max_rows(tensors: Sequence[Any]) -> tuple[list[str], Any]:

@@ -1,0 +1,70 @@
+"""Replays of one training step on copies: :func:`replay_step` (the five boundaries
+of a step, as a bundle), :func:`probe` (a tensor named between modules), the step's
+recipe (micro-batches, RNG state, autocast regions, loss scaling, clipping) and the
+binding the bundle records.
+
+The sentinel (``capture.torch.sentinel``) and shrink (``capture.torch.shrink``)
+replay through the names below, never through this package's private modules.
+"""
+
+from nanrunbook.capture.torch.replay._binding import (
+    add_weight,
+    cuda_devices,
+    heaviest,
+    model_binding,
+    scheduler_binding,
+    topology_binding,
+)
+from nanrunbook.capture.torch.replay._recording import (
+    ExtremesSampler,
+    OutputExtremes,
+    leaf,
+    listening,
+    probe,
+)
+from nanrunbook.capture.torch.replay._replay_step import (
+    COMPILED_LIVE,
+    EAGER_REPLAY,
+    REQUIRED_BINDING,
+    Autocast,
+    Clipping,
+    MicroBatch,
+    Replayed,
+    RngState,
+    Scaling,
+    StepRecipe,
+    bind,
+    mark_eager,
+    replay_recipe,
+    replay_step,
+    rng_state_for,
+)
+
+__all__ = [
+    "COMPILED_LIVE",
+    "EAGER_REPLAY",
+    "REQUIRED_BINDING",
+    "Autocast",
+    "Clipping",
+    "ExtremesSampler",
+    "MicroBatch",
+    "OutputExtremes",
+    "Replayed",
+    "RngState",
+    "Scaling",
+    "StepRecipe",
+    "add_weight",
+    "bind",
+    "cuda_devices",
+    "heaviest",
+    "leaf",
+    "listening",
+    "mark_eager",
+    "model_binding",
+    "probe",
+    "replay_recipe",
+    "replay_step",
+    "rng_state_for",
+    "scheduler_binding",
+    "topology_binding",
+]
