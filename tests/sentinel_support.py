@@ -175,6 +175,11 @@ def mse(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
+def mse_column(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``mse`` for a model whose output is one column (an ``nn.Linear(n, 1)``)."""
+    return ((model(batch["x"]).squeeze(1) - batch["y"]) ** 2).mean()
+
+
 def drifting_batch(step: int, drift_from: int) -> dict[str, torch.Tensor]:
     """Feature 3 drifts into raw units (x1.4 a step) from ``drift_from`` on: finite
     in float32, eventually beyond float16 under autocast."""
@@ -244,13 +249,10 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
     jump = 3000.0 if scenario == "blowup" else 1.0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 5 else jump)
 
-    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
-
     sentinel = Sentinel(
         model,
         optimizer,
-        loss_fn,
+        mse_column,
         scheduler=scheduler,
         thresholds=Thresholds(sample_every=0),
         **facts(scenario, tmp),
@@ -502,9 +504,6 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
         group = made[rank // 2]
     faulty = rank in case.fault_ranks
 
-    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
-
     def batch(i: int) -> dict[str, torch.Tensor]:
         b = regression_batch(100 * rank + i)
         if case.fault == "nan-data" and faulty and i == case.fault_step:
@@ -518,7 +517,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
     plain_opt = torch.optim.SGD(plain_ddp.parameters(), lr=0.05)
     for i in range(1, case.fault_step):
         plain_opt.zero_grad()
-        loss_fn(plain_ddp, batch(i)).backward()
+        mse_column(plain_ddp, batch(i)).backward()
         plain_opt.step()
 
     torch.manual_seed(0)
@@ -554,7 +553,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
     sentinel = Sentinel(
         model,
         optimizer,
-        loss_fn,
+        mse_column,
         policy=case.policy,  # type: ignore[arg-type]
         snapshot=case.snapshot,
         thresholds=Thresholds(sample_every=0),

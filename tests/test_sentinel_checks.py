@@ -9,11 +9,18 @@ from typing import Any
 
 import pytest
 import torch
-from sentinel_support import Sentinel, facts, regression_batch, telemetry
+from sentinel_support import (
+    Sentinel,
+    facts,
+    mse,
+    mse_column,
+    regression_batch,
+    run_loop,
+    telemetry,
+)
 from torch import nn
 
 from nanrunbook.capture.telemetry import Thresholds
-from nanrunbook.capture.torch import SentinelHold
 from nanrunbook.dtypes import DTYPES
 
 # ------------------------------------------------------ headroom through clipping
@@ -24,13 +31,10 @@ def _clipped_run(tmp: Path, clip: bool, sample_every: int) -> list[dict[str, Any
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 
-    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((m(b["x"]).squeeze(1) - b["y"]) ** 2).mean()
-
     sentinel = Sentinel(
         model,
         optimizer,
-        loss_fn,
+        mse_column,
         thresholds=Thresholds(sample_every=sample_every),
         **facts("clipped", tmp),
     )
@@ -161,24 +165,21 @@ def test_a_run_with_fp8_parameters_is_checked_every_step_and_holds(
     model = _Fp8Linear(dtype)
     optimizer = _WidenedSGD(model.parameters(), 0.01)
 
-    def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ((m(b["x"]) - b["y"]) ** 2).mean()
-
     sentinel = Sentinel(
-        model, optimizer, loss_fn, thresholds=Thresholds(sample_every=2), **facts("fp8", tmp_path)
+        model, optimizer, mse, thresholds=Thresholds(sample_every=2), **facts("fp8", tmp_path)
     )
-    hold = None
-    for i in range(1, 8):
+
+    def step(i: int) -> torch.Tensor:
         batch = regression_batch(i)
         if i == 5:
             batch["x"][0, 0] = float("inf")
-        try:
-            optimizer.zero_grad()
-            sentinel.forward(batch).backward()
-            optimizer.step()
-        except SentinelHold as held:
-            hold = held
-            break
+        optimizer.zero_grad()
+        loss = sentinel.forward(batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    hold = run_loop(step, 7, lambda: None).hold
     sentinel.close()
     assert model.w.grad is not None and model.w.grad.dtype == dtype
     assert hold is not None and hold.step == 5 and hold.stage == "input", hold
@@ -208,7 +209,7 @@ def _mixed() -> list[torch.Tensor]:
 def test_checks_group_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every norm kernel sees one device and one dtype, and a dtype's groups
     from several devices are joined on the accelerator, not on the host."""
-    from nanrunbook.capture.torch import checks
+    from nanrunbook.capture.torch.sentinel import _checks as checks
 
     groups: list[set[tuple[str, str]]] = []
     real = checks._norms
@@ -236,7 +237,7 @@ def test_checks_group_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_one_read_is_made_on_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host values go to the accelerator and the packed values come back in one
     read, whichever part was added first (not a blocking copy per device part)."""
-    from nanrunbook.capture.torch import checks
+    from nanrunbook.capture.torch.sentinel import _checks as checks
 
     reads: list[str] = []
 

@@ -22,12 +22,12 @@ from sentinel_support import (
     params_finite,
     quiet_thresholds,
     regression_batch,
+    run_loop,
     state_bits,
     telemetry,
 )
 
 from nanrunbook.capture.telemetry import TelemetryFile
-from nanrunbook.capture.torch import SentinelHold
 
 
 class Disk:
@@ -57,22 +57,22 @@ def _train(tmp: Path, disk: Disk, full_at: set[int], nan_at: int | None = None) 
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     sentinel = Sentinel(model, optimizer, mse, thresholds=quiet_thresholds(), **facts("disk", tmp))
-    hold, before = None, None
-    for i in range(1, 13):
+
+    def step(i: int) -> torch.Tensor:
         disk.full = i in full_at
         batch = regression_batch(i)
         if i == nan_at:
             batch["x"][0, 0] = float("nan")
-            before = state_bits(model, optimizer)
-        try:
-            optimizer.zero_grad()
-            sentinel.forward(batch).backward()
-            optimizer.step()
-        except SentinelHold as held:
-            hold = held
-            break
+        optimizer.zero_grad()
+        loss = sentinel.forward(batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    ran = run_loop(step, 12, lambda: state_bits(model, optimizer))
     sentinel.close()
-    return model, optimizer, sentinel, hold, before
+    before = ran.before.get(nan_at) if nan_at is not None else None
+    return model, optimizer, sentinel, ran.hold, before
 
 
 def test_a_full_disk_under_the_telemetry_does_not_end_a_healthy_run(
