@@ -8,6 +8,7 @@ and optionally writes a regression fixture (``_fixture``, its test from
 """
 
 from nanrunbook.capture.torch.shrink._failing_step import FailingStep
+from nanrunbook.capture.torch.shrink._results import Shrink, ShrinkError
 from nanrunbook.capture.torch.shrink._shrink import ShrinkOnHold, shrink_step
 
-__all__ = ["FailingStep", "ShrinkOnHold", "shrink_step"]
+__all__ = ["FailingStep", "Shrink", "ShrinkError", "ShrinkOnHold", "shrink_step"]
