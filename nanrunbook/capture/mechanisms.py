@@ -30,8 +30,14 @@ than record a change that did not happen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from nanrunbook.capture._changes import (
+    LossScale,
+    OtherBatch,
+    Reduction,
+    WithoutAutocast,
+)
 
 if TYPE_CHECKING:
     from nanrunbook.capture.torch.replay._mechanisms import autocast_off, replay_changed
@@ -45,45 +51,10 @@ __all__ = [
     "replay_changed",
 ]
 
-CHANGE_FIELD = "replay_change"  # the binding detail that records the change
-
-# What a change means lives here, torch-free; applying one to a replay needs torch
-# and lives in capture/torch/replay/_mechanisms.py, imported on first use.
+# What a change means lives in capture/_changes.py, torch-free; applying one to a
+# replay needs torch and lives in capture/torch/replay/_mechanisms.py, imported on
+# first use.
 _APPLIED = ("autocast_off", "replay_changed")
-
-
-@dataclass(frozen=True, slots=True)
-class WithoutAutocast:
-    """Float32 (the parameters' dtype) instead of autocast: the ``precision`` item."""
-
-    item = "precision"
-
-
-@dataclass(frozen=True, slots=True)
-class LossScale:
-    """Another loss scale for the step's GradScaler: the ``scaler`` item."""
-
-    scale: float
-    item = "scaler"
-
-
-@dataclass(frozen=True, slots=True)
-class Reduction:
-    """Another reduction for the loss functions: the ``objective`` item."""
-
-    to: str = "sum"
-    item = "objective"
-
-
-@dataclass(frozen=True, slots=True)
-class OtherBatch:
-    """Another batch: the ``batch`` item."""
-
-    batch: Any
-    item = "batch"
-
-
-Change = WithoutAutocast | LossScale | Reduction | OtherBatch
 
 
 def __getattr__(name: str) -> Any:

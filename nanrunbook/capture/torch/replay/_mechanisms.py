@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanrunbook.capture.mechanisms import (
+from nanrunbook.capture._changes import (
     CHANGE_FIELD,
     Change,
     LossScale,
