@@ -243,6 +243,10 @@ def _run_example(line: str) -> int:
     for stop in (">", "|"):
         if stop in words:
             words = words[: words.index(stop)]
+    if "--follow" in words and "--wait-for-file" not in words:
+        # The example's file does not exist here: a follower would wait for it
+        # (300 s by default). The documented line still parses and runs.
+        words += ["--wait-for-file", "1"]
     result = runner.invoke(app, words[1:], prog_name="nanrunbook")
     return result.exit_code
 
