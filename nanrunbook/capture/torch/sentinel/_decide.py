@@ -128,7 +128,10 @@ class Decisions:
                 voted = vote is not None and float(vote.item()) > 0
         device = step.losses[0].device
         if failure is not None:
-            self._fail(failure, step, previous, device, voted)
+            try:
+                self._fail(failure, step, previous, device, voted)
+            finally:
+                del failure  # as in _fail: no cycle through the traceback
         proposal = self._propose(step, previous, outcome, update_ok, voted)
         agreed = self.ranks.agree(proposal, device) if voted else proposal
         if agreed.update and previous is not None:
@@ -156,7 +159,13 @@ class Decisions:
             attempt = agreed.previous_attempt if held is previous else agreed.attempt
             self.ranks.origin(None, None, self._incident_key(held, attempt))
         log.error("step %d: this rank could not check its step: %s", step.number, failure)
-        raise failure
+        try:
+            raise failure
+        finally:
+            # The error's traceback holds this frame: holding the error in turn
+            # would be a cycle that keeps the model (and its process group) alive
+            # until a garbage collection, perhaps none before interpreter shutdown.
+            del failure
 
     def _may_skip(self, skips: int = 1) -> bool:
         """The skip policy allows ``skips`` more skipped steps."""
