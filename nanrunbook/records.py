@@ -9,7 +9,6 @@ from itertools import chain
 from typing import Any, Literal, TypeVar
 
 __all__ = [
-    "STAGE_ORDER",
     "Binding",
     "Counts",
     "Decision",
@@ -28,8 +27,6 @@ __all__ = [
     "element_counts",
     "frozen_records",
 ]
-
-STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
 
 
 def element_count(shape: Iterable[int], limit: int) -> int | None:

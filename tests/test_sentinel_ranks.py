@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from sentinel_support import RankCase, case_worker, rank_worker
 
 from nanrunbook import check_bundle
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.contract import STAGE_ORDER
 
 
 def spawn(

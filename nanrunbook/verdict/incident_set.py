@@ -22,11 +22,11 @@ from nanrunbook.contract import (
     HOLD,
     NO_NONFINITE_ACTION,
     ROOT_CAUSE_CLAIM,
+    STAGE_ORDER,
 )
 from nanrunbook.errors import Violation
 from nanrunbook.exits import Exit
 from nanrunbook.manifest.declared import Declared
-from nanrunbook.records import STAGE_ORDER
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report, path_text, rejection_document, report_document
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.contract import STAGE_ORDER
 
 __all__ = ["ACTIONS", "EXCHANGE_TIMEOUT", "KINDS", "LocalGradients", "Outcome", "Proposal", "Ranks"]
 

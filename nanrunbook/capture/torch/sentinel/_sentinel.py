@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -69,6 +68,7 @@ from nanrunbook.capture.torch.sentinel._snapshot import (
     reset_scaler_step,
 )
 from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
+from nanrunbook.contract import SCALE_RANGE, is_contract_scale
 
 __all__ = ["Policy", "Sentinel"]
 
@@ -94,9 +94,8 @@ def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
         return None
     if scaler is not None:
         raise ValueError("give a static loss_scale or an enabled GradScaler, not both")
-    mantissa, _ = math.frexp(float(loss_scale))
-    if not (2.0**-24 <= float(loss_scale) <= 2.0**24) or mantissa != 0.5:
-        raise ValueError(f"loss_scale {loss_scale!r} is not a power of two in [2^-24, 2^24]")
+    if not is_contract_scale(float(loss_scale)):
+        raise ValueError(f"loss_scale {loss_scale!r} is not {SCALE_RANGE}")
     return float(loss_scale)
 
 
