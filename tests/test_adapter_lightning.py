@@ -29,7 +29,7 @@ from lightning_support import (
     quiet_lightning,
     sentinel_facts,
 )
-from sentinel_support import bundles, state_bits, telemetry
+from sentinel_support import PARTS, bundles, state_bits, telemetry
 from test_sentinel_ranks import set_verdict
 
 from nanrunbook import check_bundle
@@ -135,7 +135,7 @@ def test_a_healthy_fit_trains_bit_for_bit_as_without_the_callback(
     assert "training_step" not in vars(module)
 
 
-def test_what_the_adapter_cannot_follow_is_refused_when_the_fit_starts(tmp_path: Path) -> None:
+def test_what_the_adapter_cannot_follow_is_refused_when_training_starts(tmp_path: Path) -> None:
     callback = SentinelCallback(**sentinel_facts("refused", tmp_path))
     with pytest.raises(TypeError, match="clip by norm"):
         fit(
@@ -146,6 +146,13 @@ def test_what_the_adapter_cannot_follow_is_refused_when_the_fit_starts(tmp_path:
             gradient_clip_val=1.0,
             gradient_clip_algorithm="value",
         )
+    late = SentinelCallback(
+        **sentinel_facts(
+            "refused", tmp_path, checkpoint={"id": "c", "step": 5, "verified_together": PARTS}
+        )
+    )
+    with pytest.raises(ValueError, match="starts at global_step 0"):
+        fit(Regression(), loader(), [late], 2)
     with pytest.raises(TypeError, match="the Trainer owns optimizer"):
         SentinelCallback(optimizer=None, **sentinel_facts("refused", tmp_path))
 

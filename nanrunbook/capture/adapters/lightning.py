@@ -41,7 +41,7 @@ What Lightning hides from a callback, and how the adapter gets it:
 Automatic optimization with one optimizer (and at most one LR scheduler), on
 one device or under DDP (``strategy="ddp"`` and its spawned forms; the vote
 runs on the default process group, the strategy's). Manual optimization,
-several optimizers, FSDP and DeepSpeed are refused when the fit starts.
+several optimizers, FSDP and DeepSpeed are refused when training starts.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def _lightning_module(model: Any) -> Any:
 
 class SentinelCallback(_Callback):  # type: ignore[misc]
     """The sentinel on the Trainer's model, optimizer and LR scheduler, built when
-    the fit starts. ``sentinel`` is the :class:`Sentinel` during the fit."""
+    training starts (after a checkpoint's state is restored; its ``step`` must
+    be the Trainer's ``global_step``). ``sentinel`` is the :class:`Sentinel`
+    during the fit."""
 
     def __init__(self, **options: Any) -> None:
         owned = sorted(set(options) & set(_OWNED))
@@ -120,7 +122,9 @@ class SentinelCallback(_Callback):  # type: ignore[misc]
 
     # --------------------------------------------------------------- set-up
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """After the checkpoint's training state is restored: the sentinel's
+        steps count on from the checkpoint's, which must be the Trainer's."""
         optimizer, scheduler = _refuse_unsupported(trainer, pl_module)
         self._forward = ForwardAsLoss(
             self._run_training_step, _loss_of, lambda: int(trainer.accumulate_grad_batches)
@@ -132,6 +136,14 @@ class SentinelCallback(_Callback):  # type: ignore[misc]
             scheduler=scheduler,
             **self.options,
         )
+        start = self.sentinel.facts.start_step
+        if trainer.global_step != start:
+            self.sentinel.close()
+            self.sentinel = None
+            raise ValueError(
+                f"the fit starts at global_step {trainer.global_step}, the sentinel's checkpoint"
+                f" at step {start}: give checkpoint={{'step': {trainer.global_step}, ...}}"
+            )
         self._counters = LoopCounters(trainer.fit_loop)
 
         # A plain function on the instance: a replay's deep copy of the module
@@ -163,7 +175,7 @@ class SentinelCallback(_Callback):  # type: ignore[misc]
     @property
     def _live(self) -> Sentinel:
         if self.sentinel is None:
-            raise RuntimeError("the sentinel starts with the fit")
+            raise RuntimeError("the sentinel starts with the training")
         return self.sentinel
 
     def _set(self, obj: Any, name: str, function: Any) -> None:
