@@ -164,6 +164,7 @@ def rank_main(tmp: Path) -> None:
     result = {
         "held": hold.step if hold else None,
         "stage": hold.stage if hold else None,
+        "reason": hold.reason if hold else None,
         "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
         "untouched": hold is not None and ran.after == ran.before,
         "finite": ran.end,

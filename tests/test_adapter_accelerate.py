@@ -140,6 +140,9 @@ def test_a_nan_in_one_ranks_data_holds_both_torchrun_ranks_at_one_step(tmp_path:
     assert {r["held"] for r in results} == {3}, results
     assert all(r["untouched"] and r["finite"] for r in results), results
     assert all(r["origin"] == [1] for r in results)
+    # The sentinel watches the prepared DDP module: checked before the all-reduce.
+    assert results[1]["reason"].startswith("non-finite loss")
+    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
     origin, stage, decisions = set_verdict(tmp_path / "incident" / "ddp" / "3")
     assert (origin, stage) == ([1], "input")
     assert decisions[1] == "HOLD"

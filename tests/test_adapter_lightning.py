@@ -174,6 +174,9 @@ def test_a_nan_in_one_ranks_data_holds_both_ddp_ranks_at_one_step(tmp_path: Path
     assert {r["held"] for r in results} == {4}, results  # rank 1's batch index 3
     assert all(r["untouched"] and r["finite"] and r["global_step"] == 3 for r in results)
     assert all(r["origin"] == [1] for r in results)
+    # The sentinel watches Lightning's DDP module: checked before the all-reduce.
+    assert results[1]["reason"].startswith("non-finite loss")
+    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
     origin, stage, decisions = set_verdict(tmp_path / "incident" / "ddp" / "4")
     assert (origin, stage) == ([1], "input")
     assert decisions[1] == "HOLD"
