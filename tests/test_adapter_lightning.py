@@ -135,6 +135,20 @@ def test_a_healthy_fit_trains_bit_for_bit_as_without_the_callback(
     assert "training_step" not in vars(module)
 
 
+def test_the_skip_policy_skips_the_corrupt_step_and_the_fit_goes_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = Regression(optimizer="sgd")
+    callback = SentinelCallback(**sentinel_facts("skip", tmp_path, policy="skip"))
+    run, hold = fit(module, loader(corrupt=8 * 4 + 1), [callback], 10, gradient_clip_val=0.5)
+    assert hold is None and run.global_step == 10  # Lightning counts the skipped step
+    assert run.lr_scheduler_configs[0].scheduler.last_epoch == 9  # the skipped step's call passed
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    lines = telemetry(tmp_path, "skip")
+    assert [line["step"] for line in lines] == list(range(1, 11))
+    assert [line["step"] for line in lines if line["skipped"]] == [5]
+    assert not bundles(tmp_path, "skip")
+
+
 def test_what_the_adapter_cannot_follow_is_refused_when_training_starts(tmp_path: Path) -> None:
     callback = SentinelCallback(**sentinel_facts("refused", tmp_path))
     with pytest.raises(TypeError, match="clip by norm"):
