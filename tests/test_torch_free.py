@@ -1,7 +1,9 @@
 """Torch is imported only under nanrunbook.capture.torch: every other module, the
 check side, the CLI, telemetry and the capture side's framework-free parts
-(capture.mechanisms included), imports in a process where torch cannot be
-imported at all."""
+(capture.mechanisms and the adapters' package and private helpers included),
+imports in a process where torch cannot be imported at all. A framework's
+adapter (capture/adapters/<framework>.py) imports its framework and torch, and
+only it does."""
 
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ import nanrunbook
 
 package = Path(nanrunbook.__file__).parent
 torch_side = package / "capture" / "torch"
+adapters = package / "capture" / "adapters"
 names = []
 for path in sorted(package.rglob("*.py")):
     if torch_side in path.parents or path.name == "__main__.py":
         continue
+    if path.parent == adapters and not path.name.startswith("_"):
+        continue  # a framework's adapter imports its framework and torch, by design
     parts = path.relative_to(package.parent).with_suffix("").parts
     names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
 failed = {}
@@ -82,6 +87,8 @@ def test_every_module_outside_capture_torch_imports_without_torch() -> None:
         "nanrunbook.verdict.report",
         "nanrunbook.check",
         "nanrunbook.diff",
+        "nanrunbook.capture.adapters",
+        "nanrunbook.capture.adapters._forward_as_loss",
     ):
         assert name in imported, name
     assert result["changes"] == ["WithoutAutocast", "LossScale", "Reduction", "OtherBatch"]
@@ -108,3 +115,18 @@ def test_using_replay_changed_loads_the_torch_side() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "has no attribute 'no_such_name'" in done.stdout
+
+
+def test_the_torch_side_imports_no_training_framework() -> None:
+    """Lightning and Accelerate are imported by their adapters only."""
+    script = (
+        "import sys\n"
+        "import nanrunbook.capture.torch, nanrunbook.capture.adapters, nanrunbook.cli\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in\n"
+        "          ('lightning', 'pytorch_lightning', 'accelerate')]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
