@@ -33,14 +33,16 @@ PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 WARMUP = 5
 
 
+# What the bench's loops state to the sentinel (they never hold).
+STATED = {
+    "checkpoint": {"id": "init", "verified_together": PARTS},
+    "data": {"id": "synthetic"},
+    "objective": {"id": "mse", "reduction": "mean"},
+}
+
+
 def facts(run_id: str, tmp: Path) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "checkpoint": {"id": "init", "verified_together": PARTS},
-        "data": {"id": "synthetic"},
-        "objective": {"id": "mse", "reduction": "mean"},
-        "incident_dir": tmp / "incident",
-    }
+    return {"run_id": run_id, "incident_dir": tmp / "incident", **STATED}
 
 
 def make_net(width: int, depth: int) -> nn.Module:
@@ -78,6 +80,18 @@ def medians(times: list[tuple[float, float]]) -> tuple[float, float]:
     """Median CPU and wall-clock seconds of the steps after the warm-up."""
     kept = times[WARMUP:]
     return statistics.median(t[0] for t in kept), statistics.median(t[1] for t in kept)
+
+
+def timed_steps(args: Any, step: Any, sentinel: Any) -> tuple[float, float]:
+    """``step(batch)`` over the bench's batches, each timed; the sentinel closed after."""
+    times = []
+    for batch in data(args.steps, args.batch):
+        start = now()
+        step(batch)
+        times.append(since(start))
+    if sentinel is not None:
+        sentinel.close()
+    return medians(times)
 
 
 def lightning_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[float, float]:
@@ -164,19 +178,16 @@ def accelerate_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[flo
         if adapter
         else None
     )
-    times = []
-    for batch in data(args.steps, args.batch):
-        start = now()
+
+    def step(batch: Any) -> None:
         with accelerator.accumulate(model):
             loss = sentinel.forward(batch) if sentinel is not None else mse(model, batch)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
-        times.append(since(start))
-    if sentinel is not None:
-        sentinel.close()
-    return medians(times)
+
+    return timed_steps(args, step, sentinel)
 
 
 def torch_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[float, float]:
@@ -189,18 +200,15 @@ def torch_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[float, f
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     sentinel = Sentinel(net, optimizer, mse, **facts(f"torch-{index}", tmp)) if adapter else None
     clip = sentinel.clip_grad_norm_ if sentinel is not None else torch.nn.utils.clip_grad_norm_
-    times = []
-    for batch in data(args.steps, args.batch):
-        start = now()
+
+    def step(batch: Any) -> None:
         loss = sentinel.forward(batch) if sentinel is not None else mse(net, batch)
         loss.backward()
         clip(list(net.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        times.append(since(start))
-    if sentinel is not None:
-        sentinel.close()
-    return medians(times)
+
+    return timed_steps(args, step, sentinel)
 
 
 def compare(name: str, run: Any, args: Any, tmp: Path) -> None:

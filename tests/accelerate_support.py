@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sentinel_support import PARTS, params_finite, state_bits
+from sentinel_support import facts, params_finite, state_bits
 from torch import nn
 
 from nanrunbook.capture.adapters.accelerate import AcceleratorSentinel
@@ -44,14 +44,8 @@ def mse(model: Any, batch: Any) -> Any:
 
 
 def sentinel_facts(run_id: str, tmp: Path, **more: Any) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
-        "data": {"id": "synthetic-regression"},
-        "objective": {"id": "mse", "reduction": "mean"},
-        "incident_dir": tmp / "incident",
-        **more,
-    }
+    objective = {"id": "mse", "reduction": "mean"}
+    return facts(run_id, tmp, data={"id": "synthetic-regression"}, objective=objective, **more)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from sentinel_support import PARTS, params_finite, state_bits
+from sentinel_support import facts, params_finite, state_bits
 from torch import nn
 
 from nanrunbook.capture.adapters.lightning import SentinelCallback
@@ -88,14 +88,8 @@ def loader(corrupt: int | None = None, seed: int = 0, size: int = 96) -> Any:
 
 
 def sentinel_facts(run_id: str, tmp: Path, **more: Any) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
-        "data": {"id": "synthetic-regression"},
-        "objective": {"id": "mse", "reduction": "mean"},
-        "incident_dir": tmp / "incident",
-        **more,
-    }
+    objective = {"id": "mse", "reduction": "mean"}
+    return facts(run_id, tmp, data={"id": "synthetic-regression"}, objective=objective, **more)
 
 
 class Truth(pl.Callback):

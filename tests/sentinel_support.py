@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanrunbook import check_bundle
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, probe, tensor_to_raw
+from nanrunbook.contract import STAGE_ORDER
 
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 
@@ -104,6 +106,17 @@ def run_loop(
 def telemetry(tmp: Path, run_id: str) -> list[dict[str, Any]]:
     path = tmp / "incident" / run_id / "telemetry.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_held_evidence(tmp: Path, run_id: str, bundle: Any, step: int, stage: str) -> None:
+    """The held step's bundle checks HOLD at ``stage``, and every step up to the
+    held one has its telemetry line."""
+    report = check_bundle(bundle)
+    assert report.decision.decision == "HOLD"
+    assert report.decision.earliest_nonfinite_stage == stage
+    lines = telemetry(tmp, run_id)
+    assert [line["step"] for line in lines] == list(range(1, step + 1))
+    assert [line["held"] for line in lines] == [False] * (step - 1) + [True]
 
 
 def bundles(tmp: Path, run_id: str) -> list[Path]:
@@ -630,3 +643,36 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
         "params": _digest(net),
         "finite": params_finite(net),
     }
+
+
+def set_verdict(incident: Path) -> tuple[list[int], str | None, dict[int, str]]:
+    """Spec section 11 from the members: origin ranks, earliest stage, decisions."""
+    decisions, stages = {}, {}
+    for member in sorted(incident.iterdir()):
+        report = check_bundle(member)
+        rank = report.manifest.binding.rank
+        assert member.name == f"rank-{rank:05d}"
+        decisions[rank] = report.decision.decision
+        if report.decision.decision == "HOLD":
+            stages[rank] = report.decision.earliest_nonfinite_stage
+    if not stages:
+        return [], None, decisions
+    earliest = min(stages.values(), key=STAGE_ORDER.index)
+    return sorted(r for r, s in stages.items() if s == earliest), earliest, decisions
+
+
+def assert_rank1_data_held(
+    tmp: Path, run_id: str, step: int, results: list[dict[str, Any]]
+) -> None:
+    """A 2-rank DDP job whose rank 1 read a NaN: both held at ``step``, rank 1 the
+    origin at input, rank 0's own gradients finite before the all-reduce (the
+    sentinel watches the DDP module), a telemetry line per step on each rank."""
+    assert all(r["origin"] == [1] for r in results)
+    assert results[1]["reason"].startswith("non-finite loss")
+    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
+    origin, stage, decisions = set_verdict(tmp / "incident" / run_id / str(step))
+    assert (origin, stage) == ([1], "input")
+    assert decisions[1] == "HOLD"
+    for rank in (0, 1):
+        lines = (tmp / "incident" / run_id / f"telemetry-rank-{rank:05d}.jsonl").read_text()
+        assert [json.loads(line)["step"] for line in lines.splitlines()] == list(range(1, step + 1))

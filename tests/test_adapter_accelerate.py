@@ -21,10 +21,7 @@ from typing import Any
 
 import pytest
 from accelerate_support import batches, run
-from sentinel_support import bundles, telemetry
-from test_sentinel_ranks import set_verdict
-
-from nanrunbook import check_bundle
+from sentinel_support import assert_held_evidence, assert_rank1_data_held, bundles, telemetry
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,12 +32,7 @@ def _assert_held_as_the_truth(tmp: Path, run_id: str, truth: Any, held: Any) -> 
     assert (hold.step, hold.stage) == truth.truth
     assert held.after == held.before  # model, optimizer, scheduler, accelerator.step
     assert held.steps == hold.step - 1
-    report = check_bundle(hold.bundle)
-    assert report.decision.decision == "HOLD"
-    assert report.decision.earliest_nonfinite_stage == hold.stage
-    lines = telemetry(tmp, run_id)
-    assert [line["step"] for line in lines] == list(range(1, hold.step + 1))
-    assert [line["held"] for line in lines] == [False] * (hold.step - 1) + [True]
+    assert_held_evidence(tmp, run_id, hold.bundle, hold.step, hold.stage)
 
 
 def test_an_absurd_learning_rate_holds_at_the_true_step_under_bf16_accumulation_and_clipping(
@@ -139,13 +131,4 @@ def test_a_nan_in_one_ranks_data_holds_both_torchrun_ranks_at_one_step(tmp_path:
     assert all(r["world"] == 2 for r in results)
     assert {r["held"] for r in results} == {3}, results
     assert all(r["untouched"] and r["finite"] for r in results), results
-    assert all(r["origin"] == [1] for r in results)
-    # The sentinel watches the prepared DDP module: checked before the all-reduce.
-    assert results[1]["reason"].startswith("non-finite loss")
-    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
-    origin, stage, decisions = set_verdict(tmp_path / "incident" / "ddp" / "3")
-    assert (origin, stage) == ([1], "input")
-    assert decisions[1] == "HOLD"
-    for rank in (0, 1):
-        lines = (tmp_path / "incident" / "ddp" / f"telemetry-rank-{rank:05d}.jsonl").read_text()
-        assert [json.loads(line)["step"] for line in lines.splitlines()] == [1, 2, 3]
+    assert_rank1_data_held(tmp_path, "ddp", 3, results)

@@ -29,10 +29,15 @@ from lightning_support import (
     quiet_lightning,
     sentinel_facts,
 )
-from sentinel_support import PARTS, bundles, state_bits, telemetry
-from test_sentinel_ranks import set_verdict
+from sentinel_support import (
+    PARTS,
+    assert_held_evidence,
+    assert_rank1_data_held,
+    bundles,
+    state_bits,
+    telemetry,
+)
 
-from nanrunbook import check_bundle
 from nanrunbook.capture.adapters.lightning import SentinelCallback
 
 HERE = Path(__file__).resolve().parent
@@ -67,12 +72,7 @@ def _assert_held_as_the_truth(
     # at the held step's first batch.
     assert recorder.now(run, module) == recorder.before
     assert run.global_step == truth.step - 1 == recorder.before[2]
-    report = check_bundle(hold.bundle)
-    assert report.decision.decision == "HOLD"
-    assert report.decision.earliest_nonfinite_stage == truth.stage
-    lines = telemetry(tmp, run_id)
-    assert [line["step"] for line in lines] == list(range(1, truth.step + 1))
-    assert [line["held"] for line in lines] == [False] * (truth.step - 1) + [True]
+    assert_held_evidence(tmp, run_id, hold.bundle, truth.step, truth.stage)
 
 
 def test_an_absurd_learning_rate_holds_at_the_true_step_under_bf16_accumulation_and_clipping(
@@ -187,13 +187,4 @@ def test_a_nan_in_one_ranks_data_holds_both_ddp_ranks_at_one_step(tmp_path: Path
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert {r["held"] for r in results} == {4}, results  # rank 1's batch index 3
     assert all(r["untouched"] and r["finite"] and r["global_step"] == 3 for r in results)
-    assert all(r["origin"] == [1] for r in results)
-    # The sentinel watches Lightning's DDP module: checked before the all-reduce.
-    assert results[1]["reason"].startswith("non-finite loss")
-    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
-    origin, stage, decisions = set_verdict(tmp_path / "incident" / "ddp" / "4")
-    assert (origin, stage) == ([1], "input")
-    assert decisions[1] == "HOLD"
-    for rank in (0, 1):
-        lines = (tmp_path / "incident" / "ddp" / f"telemetry-rank-{rank:05d}.jsonl").read_text()
-        assert [json.loads(line)["step"] for line in lines.splitlines()] == [1, 2, 3, 4]
+    assert_rank1_data_held(tmp_path, "ddp", 4, results)

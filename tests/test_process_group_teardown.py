@@ -34,14 +34,9 @@ def test_a_closed_sentinel_is_freed_without_a_garbage_collection(tmp_path: Path)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
     gc.disable()
     try:
-        sentinel = Sentinel(
-            model,
-            optimizer,
-            mse_column,
-            scheduler=scheduler,
-            thresholds=Thresholds(sample_every=0),
-            **facts("teardown", tmp_path),
-        )
+        quiet = Thresholds(sample_every=0)
+        stated = facts("teardown", tmp_path, scheduler=scheduler, thresholds=quiet)
+        sentinel = Sentinel(model, optimizer, mse_column, **stated)
         for i in range(3):
             optimizer.zero_grad()
             sentinel.forward(regression_batch(i)).backward()

@@ -61,11 +61,17 @@ print(json.dumps({"imported": names, "failed": failed, "changes": changes,
 """
 
 
-def test_every_module_outside_capture_torch_imports_without_torch() -> None:
+def run_python(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter; it must exit 0."""
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_every_module_outside_capture_torch_imports_without_torch() -> None:
+    done = run_python(SCRIPT)
     result = json.loads(done.stdout)
     assert result["failed"] == {}
     assert not result["torch_loaded"]
@@ -110,10 +116,7 @@ def test_using_replay_changed_loads_the_torch_side() -> None:
         "except AttributeError as error:\n"
         "    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_python(script)
     assert "has no attribute 'no_such_name'" in done.stdout
 
 
@@ -126,7 +129,4 @@ def test_the_torch_side_imports_no_training_framework() -> None:
         "          ('lightning', 'pytorch_lightning', 'accelerate')]\n"
         "assert not loaded, loaded\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    run_python(script)
