@@ -9,10 +9,13 @@ from collections.abc import Iterable
 
 from nanrunbook.telemetry.summary import (
     STEPS_KEPT,
+    ActivationSample,
+    ComputeHeadroom,
     HeadroomTrend,
     Occurrences,
     ScaleSummary,
     Streak,
+    ValueRange,
     WatchEvent,
     WatchSummary,
 )
@@ -84,6 +87,47 @@ def _headroom(trend: HeadroomTrend | None) -> str:
     return line
 
 
+def _range(values: ValueRange) -> str:
+    return (
+        f"{values.first:.4g} -> {values.last:.4g} (least {values.min:.4g}, most {values.max:.4g})"
+    )
+
+
+def _compute(compute: ComputeHeadroom, gradients: HeadroomTrend | None) -> str:
+    """The reduced-precision values' own headroom; said first when it is
+    tighter than the gradients', so a float32 gradient line never reassures
+    about float16 activations."""
+    line = f"{compute.dtype} {compute.where}, step {compute.step} (rank {compute.rank}): "
+    if compute.nonfinite:
+        line += "non-finite, no headroom left"
+    else:
+        line += f"{compute.bits:.2f} bits below the {compute.dtype} max"
+    if compute.min_step != compute.step and not compute.min_nonfinite:
+        line += f" (least {compute.min_bits:.2f}, step {compute.min_step}, {compute.min_where})"
+    if gradients is not None and compute.bits < gradients.last_bits:
+        line += f"; tighter than the gradients' {gradients.dtype} ({gradients.last_bits:.1f} bits)"
+    return line
+
+
+def _sampled(sample: ActivationSample | None, last_step: int | None) -> str:
+    if sample is None:
+        return "not sampled in these records (Thresholds.sample_every)"
+    stats = sample.activations
+    ago = ""
+    if last_step is not None and last_step > sample.step:
+        gap = last_step - sample.step
+        ago = f", {gap} step{'s' if gap != 1 else ''} before the last record"
+    line = f"last sampled at step {sample.step} (rank {sample.rank}{ago})"
+    if stats.max_abs is not None:
+        line += f": max abs {stats.max_abs:.4g} at {stats.where or '-'} ({stats.dtype or '-'})"
+        if stats.headroom_bits is not None:
+            line += f", {stats.headroom_bits:.2f} bits below its max"
+    if stats.nonfinite:
+        shown = ", ".join(stats.nonfinite[:3]) + (" ..." if len(stats.nonfinite) > 3 else "")
+        line += f"; non-finite in {shown}"
+    return line
+
+
 def _steps_line(summary: WatchSummary) -> str:
     if summary.first_step is None:
         return "none"
@@ -126,16 +170,24 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         ("skipped updates", _steps(summary.skips) + _streak(summary.longest_skip_streak, "skip")),
         ("scaler overflows", _overflows(summary)),
         ("loss scale", _scale(summary.scale)),
-        ("gradient headroom", _headroom(summary.headroom)),
     ]
+    if summary.learning_rate is not None:
+        facts.append(("learning rate", _range(summary.learning_rate)))
+    compute, trend = summary.compute_headroom, summary.headroom
+    if compute is not None:
+        facts.append(("compute headroom", _compute(compute, trend)))
+    facts.append(("gradient headroom", _headroom(trend)))
+    if compute is not None or summary.activations_sampled is not None:
+        facts.append(("activations", _sampled(summary.activations_sampled, summary.last_step)))
     if summary.last is not None:
         last = summary.last
         loss = _g(last.loss) if last.loss_class == "finite" else last.loss_class
+        lr = "" if last.lr is None else f", lr {_g(last.lr)}"
         facts.append(
             (
                 "last record",
                 f"step {last.step}: loss {loss}, grad norm {_g(last.grad.norm)},"
-                f" grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}",
+                f" grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}{lr}",
             )
         )
     if summary.bundles:

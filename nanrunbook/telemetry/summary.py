@@ -25,6 +25,11 @@ documented in nanrunbook(1), WATCH):
   the sentinel's own rule and default limits (``nanrunbook.telemetry._early``),
   from the loss, ``grad.norm`` and ``weight_norm`` series, where the lines
   lack them (a file from an older sentinel gets them too).
+
+Beside the gradients' headroom it keeps the *compute headroom*: the headroom of
+the reduced-precision values themselves (the model's ``output`` every step,
+the sampled ``activations``) to their own dtype's max, which under float16
+autocast is the tighter one; and the last step activations were sampled.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from nanrunbook.exits import Exit
 from nanrunbook.telemetry._early import DEFAULT_LIMITS, SIGNALS, Divergence
 from nanrunbook.telemetry.reader import BadLine, IncompleteLine
 from nanrunbook.telemetry.record import (
+    ActivationStats,
     CommonLine,
     CommonOutput,
     TelemetryRecord,
@@ -52,12 +58,15 @@ from nanrunbook.telemetry.trend import SlidingTrend
 __all__ = [
     "DERIVED_CODES",
     "WATCH_FORMAT",
+    "ActivationSample",
+    "ComputeHeadroom",
     "HeadroomTrend",
     "NonFiniteStep",
     "Occurrences",
     "ScaleSummary",
     "Streak",
     "Summariser",
+    "ValueRange",
     "WarningTally",
     "WatchEvent",
     "WatchSummary",
@@ -154,6 +163,44 @@ class HeadroomTrend:
 
 
 @dataclass(frozen=True, slots=True)
+class ValueRange:
+    """A recorded value over the records: the first, the last, the least, the most."""
+
+    first: float
+    last: float
+    min: float
+    max: float
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeHeadroom:
+    """Headroom of the reduced-precision compute to its own dtype's max, in
+    bits: the least of the model's output and the sampled activations, at the
+    last record that had one and at its least."""
+
+    dtype: str
+    where: str  # output, act/<module> or probe/<name>
+    step: int
+    rank: int
+    bits: float  # 0 when non-finite
+    nonfinite: bool  # the values held a NaN or infinity at that step
+    min_bits: float  # the least over finite values (non-finite only while none was)
+    min_step: int
+    min_where: str
+    min_dtype: str
+    min_nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationSample:
+    """The last record with sampled activations: its step, rank and extremes."""
+
+    step: int
+    rank: int
+    activations: ActivationStats
+
+
+@dataclass(frozen=True, slots=True)
 class WatchEvent:
     """Something a live watcher says as it happens.
 
@@ -202,6 +249,9 @@ class WatchSummary:
     series: tuple[SeriesBucket, ...]
     rotations: int
     truncations: int
+    learning_rate: ValueRange | None = None  # the first parameter group's lr
+    compute_headroom: ComputeHeadroom | None = None
+    activations_sampled: ActivationSample | None = None
 
     @property
     def first_warning_step(self) -> int | None:
@@ -312,6 +362,15 @@ _BOUNDS = {"tensor_norm": "largest per-tensor L2 norm", "total_norm": "total gra
 _NORM, _WEIGHT_NORM, _OUTPUT = (attrgetter(n) for n in ("norm", "weight_norm", "output"))
 
 
+_LR = attrgetter("lr")
+
+
+def _extreme_bits(stats: ActivationStats | CommonOutput) -> float | None:
+    """An output or activations extreme's headroom, given or derived."""
+    bits = stats.headroom_bits
+    return bits if bits is not None else headroom_bits(stats.max_abs, stats.dtype)
+
+
 def _output_plain(output: CommonOutput) -> bool:
     """An output extreme with at least 1 bit of headroom: nothing to warn about."""
     bits = output.headroom_bits
@@ -388,6 +447,9 @@ class Summariser:
         self._tallies: dict[str, _Tally] = {}
         self._bundles: dict[str, None] = {}
         self._series = Downsampler()
+        self._lr: list[float] | None = None  # first, last, min, max
+        self._compute: ComputeHeadroom | None = None
+        self._activations: ActivationSample | None = None
 
     # ------------------------------------------------------------ feeding
 
@@ -415,7 +477,11 @@ class Summariser:
             self._warn(warning.code, step, warning.message, "telemetry", events)
         bits = self._derived_warnings(record, state, events)
         self._divergence(record, state, events)
-        grad = record.grad
+        grad, lr = record.grad, record.lr
+        if lr is not None:
+            self._lr_seen(lr)
+        if record.activations is not None:
+            self._activations = ActivationSample(step, record.rank, record.activations)
         self._series.add(
             step,
             record.loss,
@@ -425,6 +491,9 @@ class Summariser:
             record.skipped,
             record.held,
             part is not None,
+            grad.norm,
+            lr,
+            self._compute_seen(record),
         )
         state.step = step
         self._last, self._last_raw = record, None
@@ -471,7 +540,16 @@ class Summariser:
             self._bundles[bundle] = None
         if bits is not None:
             self._trend(state, step, bits, grad.dtype or "unknown dtype", None)
-        self._series.add(step, line.loss, grad.max_abs, bits, scale)
+        lr, output = line.lr, line.output
+        if lr is not None:
+            self._lr_seen(lr)
+        compute = None
+        if output is not None and (compute := _extreme_bits(output)) is not None:
+            self._compute_point(step, rank, compute, "output", output.dtype or "unknown dtype")
+        self._series.add(
+            step, line.loss, grad.max_abs, bits, scale, grad_norm=grad.norm, lr=lr,
+            compute_headroom=compute,
+        )  # fmt: skip
         state.step = step
         self._last, self._last_raw = None, raw
         return True
@@ -507,7 +585,12 @@ class Summariser:
             state.trend.extend(run.steps, cast("list[float]", bits))
             state.falling = False
         losses, max_abs = list(map(_LOSS, lines)), list(map(_MAX_ABS, run.grads))
-        self._series.extend(run.steps, losses, max_abs, bits, scales)
+        lrs = list(map(_LR, lines))
+        for lr in lrs:
+            if lr is not None:
+                self._lr_seen(lr)
+        compute = self._compute_run(lines, run.steps)
+        self._series.extend(run.steps, losses, max_abs, bits, scales, run.signals[1], lrs, compute)
         state.step = run.steps[-1]
         self._last, self._last_raw = None, last_raw
         return True
@@ -623,6 +706,72 @@ class Summariser:
             kept[2] = scale
         elif scale > kept[3]:
             kept[3] = scale
+
+    def _lr_seen(self, lr: float) -> None:
+        kept = self._lr
+        if kept is None:
+            self._lr = [lr, lr, lr, lr]
+            return
+        kept[1] = lr
+        if lr < kept[2]:
+            kept[2] = lr
+        elif lr > kept[3]:
+            kept[3] = lr
+
+    def _compute_seen(self, record: TelemetryRecord) -> float | None:
+        """The record's compute headroom (the least of its output and sampled
+        activations) into the summary; returns it."""
+        least: tuple[float, str, str | None, bool] | None = None
+        for stats, name in ((record.output, "output"), (record.activations, "activations")):
+            if stats is None:
+                continue
+            bits, where, nonfinite = _extreme_bits(stats), stats.where or name, False
+            if stats.nonfinite:  # it overflowed (or went NaN): no headroom left
+                bits, where, nonfinite = 0.0, stats.nonfinite[0], True
+            if bits is not None and (least is None or bits < least[0]):
+                least = (bits, where, stats.dtype, nonfinite)
+        if least is None:
+            return None
+        bits, where, dtype, nonfinite = least
+        if dtype is None:  # a non-finite output has no finite value to name its dtype
+            dtype = "unknown dtype" if self._compute is None else self._compute.dtype
+        self._compute_point(record.step, record.rank, bits, where, dtype, nonfinite)
+        return bits
+
+    def _compute_run(self, lines: list[CommonLine], steps: list[int]) -> list[float | None] | None:
+        """For add_lines: each line's output headroom into the summary (None
+        when no line has an output)."""
+        outputs = list(map(_OUTPUT, lines))
+        if outputs.count(None) == len(outputs):
+            return None
+        found: list[float | None] = []
+        for line, step, output in zip(lines, steps, outputs, strict=True):
+            bits = None if output is None else _extreme_bits(output)
+            if output is not None and bits is not None:
+                self._compute_point(
+                    step, line.rank, bits, "output", output.dtype or "unknown dtype"
+                )
+            found.append(bits)
+        return found
+
+    def _compute_point(
+        self, step: int, rank: int, bits: float, where: str, dtype: str, nonfinite: bool = False
+    ) -> None:
+        """A compute headroom; the least is kept over finite values (a
+        non-finite one only until a finite one is seen), so the approach to
+        the max stays on screen after the overflow."""
+        kept = self._compute
+        if kept is None or (not nonfinite and (kept.min_nonfinite or bits < kept.min_bits)):
+            least = (bits, step, where, dtype, nonfinite)
+        else:
+            least = (
+                kept.min_bits,
+                kept.min_step,
+                kept.min_where,
+                kept.min_dtype,
+                kept.min_nonfinite,
+            )
+        self._compute = ComputeHeadroom(dtype, where, step, rank, bits, nonfinite, *least)
 
     def _record_nonfinite(
         self, record: TelemetryRecord, part: str, events: list[WatchEvent]
@@ -789,4 +938,7 @@ class Summariser:
             series=self._series.buckets(),
             rotations=self.rotations,
             truncations=self.truncations,
+            learning_rate=None if self._lr is None else ValueRange(*self._lr),
+            compute_headroom=self._compute,
+            activations_sampled=self._activations,
         )
