@@ -80,6 +80,9 @@ def summary_lines(summary: WatchSummary) -> list[str]:
         f"compute_headroom_bits={_number(compute.bits if compute else None)}",
         f"compute_headroom_min_bits={_number(compute.min_bits if compute else None)}",
         f"activations_sampled_step={_number(sampled.step if sampled else None)}",
+        f"files={len(summary.files) or 1}",
+        f"origin_ranks={','.join(map(str, first.origin_ranks)) if first else 'none'}",
+        f"origin={first.origin if first else 'NONE'}",
     ]
     return lines
 

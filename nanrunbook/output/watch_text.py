@@ -5,7 +5,7 @@ strings; the text renderer prints them through rich (colour on a terminal)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from nanrunbook.telemetry.summary import (
     STEPS_KEPT,
@@ -13,6 +13,7 @@ from nanrunbook.telemetry.summary import (
     ComputeHeadroom,
     HeadroomTrend,
     Occurrences,
+    RankRow,
     ScaleSummary,
     Streak,
     ValueRange,
@@ -155,10 +156,17 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         found = summary.first_nonfinite
         what, kind = found.part.split(":")
         count = summary.nonfinite.count
-        nonfinite = f"step {found.step}: {what} {kind} (rank {found.rank}); {count} such step"
+        where = f"rank {found.rank}"
+        if len(summary.ranks) > 1:
+            where = _origin(summary)
+        nonfinite = f"step {found.step}: {what} {kind} ({where}); {count} such step"
         nonfinite += "s" if count != 1 else ""
+    read = f"{summary.lines} lines, {summary.records} records{bad}"
+    files = len(summary.files)
     facts = [
-        ("file", f"{summary.path}: {summary.lines} lines, {summary.records} records{bad}"),
+        ("files", f"{summary.path}: {files} files, {read}")
+        if files
+        else ("file", f"{summary.path}: {read}"),
         (
             "run",
             f"{', '.join(summary.run_ids) or '-'}; rank {ranks or '-'} of {summary.world_size or '-'}",
@@ -195,6 +203,22 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
     return facts
 
 
+def _origin(summary: WatchSummary) -> str:
+    """Where a job's first non-finite step began: its origin ranks, how many of
+    the world they are, and what the other ranks showed at that step."""
+    found = summary.first_nonfinite
+    assert found is not None
+    ranks = ", ".join(str(r) for r in found.origin_ranks[:8])
+    ranks += " ..." if len(found.origin_ranks) > 8 else ""
+    plural = "s" if len(found.origin_ranks) > 1 else ""
+    line = f"began on rank{plural} {ranks}: {found.origin} of {summary.world_size or '-'}"
+    others = [(r, p) for r, p in found.parts if r not in found.origin_ranks]
+    if others:
+        shown = ", ".join(f"rank {r} {p.replace(':', ' ')}" for r, p in others[:3])
+        line += f"; then {shown}" + (" ..." if len(others) > 3 else "")
+    return line
+
+
 def _overflows(summary: WatchSummary) -> str:
     seen = summary.scaler_overflows
     if not seen.count:
@@ -215,9 +239,45 @@ def summary_sections(summary: WatchSummary) -> Iterable[tuple[str, list[str]]]:
         lines = [f"line {b.line:<8} {b.kind}: {b.reason}" for b in summary.bad_examples]
         shown = len(summary.bad_examples)
         yield f"Bad lines: {summary.bad_lines} (the first {shown} shown)", lines
+    if len(summary.rank_rows) > 1:
+        yield "Ranks, where they differ", _rank_table(summary)
     notes = _notes(summary)
     if notes:
         yield "Notes", notes
+
+
+_RANK_COLUMNS: tuple[tuple[str, Callable[[RankRow], str]], ...] = (
+    ("records", lambda r: str(r.records)),
+    ("steps", lambda r: f"{r.first_step}-{r.last_step}" if r.first_step is not None else "-"),
+    ("held", lambda r: str(r.holds)),
+    ("skipped", lambda r: str(r.skips)),
+    ("non-finite", lambda r: str(r.nonfinite)),
+    ("first non-finite", lambda r: (r.first_nonfinite or "-").replace(":", " ")),
+    ("warnings", lambda r: str(r.warnings)),
+)
+
+
+def _rank_table(summary: WatchSummary) -> list[str]:
+    """One line per rank, only the columns whose values differ between ranks."""
+    rows = summary.rank_rows[:16]
+    columns = [
+        (name, cells)
+        for name, cell in _RANK_COLUMNS
+        if len(set(cells := [cell(r) for r in summary.rank_rows])) > 1
+    ]
+    if not columns:
+        return [
+            f"all {len(summary.rank_rows)} ranks alike: "
+            + ", ".join(f"{name} {cell(summary.rank_rows[0])}" for name, cell in _RANK_COLUMNS[:5])
+        ]
+    widths = [max(len(name), *(len(c) for c in cells[: len(rows)])) for name, cells in columns]
+    lines = ["rank    " + "  ".join(n.ljust(w) for (n, _), w in zip(columns, widths, strict=True))]
+    for i, row in enumerate(rows):
+        cells = [cells[i].ljust(w) for (_, cells), w in zip(columns, widths, strict=True)]
+        lines.append(f"{row.rank:<6}  " + "  ".join(cells).rstrip())
+    if len(summary.rank_rows) > len(rows):
+        lines.append(f"... and {len(summary.rank_rows) - len(rows)} more ranks (json has them all)")
+    return [line.rstrip() for line in lines]
 
 
 def _notes(summary: WatchSummary) -> list[str]:

@@ -55,6 +55,8 @@ def watch_document(summary: WatchSummary) -> dict[str, Any]:
         "learning_rate": _maybe(summary.learning_rate),
         "compute_headroom": _maybe(summary.compute_headroom),
         "activations_sampled": _sampled(summary),
+        "files": list(summary.files),
+        "rank_rows": [asdict(row) for row in summary.rank_rows],
     }
 
 
