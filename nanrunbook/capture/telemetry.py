@@ -162,7 +162,8 @@ class Thresholds:
     GRAD_NORM_DIVERGENCE and WEIGHT_NORM_GROWTH when the signal is ``*_ratio``
     times its running minimum and ``divergence_mads`` scaled MADs above its
     median, after ``loss_min_steps`` (the loss) or ``divergence_min_steps``
-    (the norms) values. ``watch_output_bits``: under
+    (the norms) values, unless the rise is no higher than a cycle the signal
+    has already come back from (a periodic loss). ``watch_output_bits``: under
     reduced-precision autocast the model's output extreme is read every step
     (NEAR_DTYPE_MAX below 1 bit of headroom, AT_DTYPE_MAX at 0); below this
     many bits the next steps sample every chosen module until it is back.

@@ -165,7 +165,10 @@ def follow(
     every file is followed, merged by step."""
 
     def opened() -> Follower | JobFollower:
-        return Follower(summariser.path) if paths is None else JobFollower(paths)
+        given = Path(summariser.path)
+        if paths is None and not given.is_dir():
+            return Follower(given)
+        return JobFollower(paths or [given])  # a run directory that appeared while waited for
 
     try:
         follower = _when_it_exists(
