@@ -168,3 +168,25 @@ def test_a_ranks_step_seen_again_counts_again() -> None:
         summariser.add(_record(rank, 4, "loss"))
     assert summariser.summary().holds.count == 2
     assert math.isfinite(orjson.loads(record_line(_record(0, 4, None)))["loss"])
+
+
+def test_follow_waits_for_a_run_directory_and_reads_it_as_a_job(job: Path, tmp_path: Path) -> None:
+    """A run directory given to --follow before the run made it: waited for,
+    then every rank's file in it followed (not refused as a directory)."""
+    run = tmp_path / "later"
+    polls = {"n": 0}
+
+    def sleep(_: float) -> None:
+        polls["n"] += 1
+        if polls["n"] == 2:
+            run.mkdir()
+            for path in sorted(job.glob("telemetry-rank-*.jsonl")):
+                (run / path.name).write_bytes(path.read_bytes())
+
+    events: list[object] = []
+    summary = follow(
+        Summariser(str(run)), events.append, stop_after_idle=3, wait_for_file=10, sleep=sleep,
+        clock=lambda: polls["n"],
+    )  # fmt: skip
+    assert summary.records == 6 and len(summary.files) == 2 and summary.holds.count == 1
+    assert summary.first_nonfinite is not None and summary.first_nonfinite.origin_ranks == (1,)
