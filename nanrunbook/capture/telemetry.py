@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 # The line (its one record, serialiser and writer) and the headroom arithmetic
 # have one home, beside the reader.
@@ -32,6 +31,8 @@ from nanrunbook.telemetry._early import (
 )
 from nanrunbook.telemetry.record import (
     TELEMETRY_FORMAT,
+    HeadroomSource,
+    LossClass,
     TelemetryLineError,
     TelemetryRecord,
     TelemetryWarning,
@@ -58,9 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("nanrunbook.sentinel")
-
-LossClass = Literal["finite", "nan", "posinf", "neginf"]
-HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]
 
 
 def finite_or_none(value: float | None) -> float | None:

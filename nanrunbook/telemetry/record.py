@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 import orjson
@@ -59,6 +59,8 @@ __all__ = [
     "ActivationStats",
     "CommonLine",
     "GradientStats",
+    "HeadroomSource",
+    "LossClass",
     "TelemetryLineError",
     "TelemetryRecord",
     "TelemetryWarning",
@@ -71,9 +73,14 @@ __all__ = [
     "record_line",
 ]
 
-TELEMETRY_FORMAT = "nanrunbook-telemetry/1"
-LOSS_CLASSES = ("finite", "nan", "posinf", "neginf")
-HEADROOM_SOURCES = ("max_abs", "tensor_norm", "total_norm")  # grad_headroom_from's values
+# Each vocabulary once, as the type the record and the fast path's decoder use
+# and the tuple a check reads.
+TelemetryFormat = Literal["nanrunbook-telemetry/1"]
+LossClass = Literal["finite", "nan", "posinf", "neginf"]
+HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]  # grad_headroom_from's values
+TELEMETRY_FORMAT: str = get_args(TelemetryFormat)[0]
+LOSS_CLASSES: tuple[LossClass, ...] = get_args(LossClass)
+HEADROOM_SOURCES: tuple[HeadroomSource, ...] = get_args(HeadroomSource)
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
@@ -569,7 +576,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An uneventful line, decoded by :data:`COMMON_LINE` (rank < world_size is
     still to be checked: msgspec does not relate two fields)."""
 
-    format: Literal["nanrunbook-telemetry/1"]
+    format: TelemetryFormat
     run_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     rank: _Count
     world_size: _Count
@@ -589,7 +596,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # a line eventful enough for the full parse.
     activations: None = None
     lr: float | None = None
-    grad_headroom_from: Literal["max_abs", "tensor_norm", "total_norm"] | None = None
+    grad_headroom_from: HeadroomSource | None = None
     weight_norm: float | None = None
     output: CommonOutput | None = None
 

@@ -11,8 +11,6 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.telemetry import (
-    HeadroomSource,
-    LossClass,
     finite_or_none,
     headroom_bits,
     loss_class,
@@ -32,6 +30,8 @@ from nanrunbook.capture.torch.sentinel._snapshot import Buffers
 from nanrunbook.telemetry.record import (
     ActivationStats,
     GradientStats,
+    HeadroomSource,
+    LossClass,
     TelemetryWarning,
     UpdateStats,
 )
