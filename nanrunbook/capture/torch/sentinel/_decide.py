@@ -20,12 +20,11 @@ import torch
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import SentinelHold, incident_attempt
 from nanrunbook.capture.telemetry import (
-    Alert,
     EarlyWarnings,
-    StepTelemetry,
     TelemetryFile,
     Thresholds,
     divergence_alerts,
+    finite_or_none,
     headroom_bits,
     magnitude_alerts,
     norm_overflow_alerts,
@@ -42,6 +41,7 @@ from nanrunbook.capture.torch.sentinel._checks import (
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
+from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning
 
 __all__ = ["Decisions"]
 
@@ -76,7 +76,7 @@ class Decisions:
     _early: EarlyWarnings
     _snapshot: StateSnapshot | None
     _telemetry: TelemetryFile | None
-    _carry: list[Alert]
+    _carry: list[TelemetryWarning]
     _logged_codes: set[str]
     _sample_next: bool
 
@@ -582,24 +582,24 @@ class Decisions:
         if self._telemetry is None:
             return
         grad = step.grads.telemetry(self._grad_dtype)
-        record = StepTelemetry(
+        record = TelemetryRecord(
             run_id=self.facts.run_id,
             rank=self.ranks.rank,
             world_size=self.ranks.world_size,
             step=step.number,
             time=step.time,
             loss=step.loss,
-            loss_class=step.loss_class,  # type: ignore[arg-type]
+            loss_class=step.loss_class,
             grad=grad,
             update=step.update,
-            scale=step.scale,
+            scale=finite_or_none(step.scale),
             found_inf=step.grads.found_inf,
             skipped=skipped,
             held=held,
             warnings=tuple(warnings),
             bundle=str(bundle) if bundle is not None else None,
             activations=step.activations,
-            lr=step.lr,
+            lr=finite_or_none(step.lr),
             grad_headroom_from=step.grads.headroom_from(grad),
             weight_norm=step.weight_norm,
             output=step.output,
