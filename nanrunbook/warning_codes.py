@@ -65,5 +65,9 @@ WARNING_CODES = MappingProxyType(
             "telemetry lines could not be written (a full disk, say): how many, between"
             " which steps; training went on"
         ),
+        "STEP_NOT_REPRODUCED": (
+            "a non-finite step did not come back when run again from the same state and"
+            " random state (transient='rerun'): skipped, its evidence kept, training went on"
+        ),
     }
 )

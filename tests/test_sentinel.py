@@ -534,6 +534,7 @@ def test_telemetry_line_shape(tmp_path: Path) -> None:
         "grad_headroom_from",
         "weight_norm",
         "output",
+        "reproduced",
     ]
     assert line["format"] == TELEMETRY_FORMAT == "nanrunbook-telemetry/1"
     assert (line["run_id"], line["rank"], line["world_size"], line["step"]) == ("shape", 0, 1, 5)

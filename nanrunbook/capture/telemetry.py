@@ -132,6 +132,9 @@ class StepTelemetry:
     # reduced-precision output extreme, read every step.
     weight_norm: float | None = None
     output: Activations | None = None
+    # Appended (issue 27): on a held or re-run step, whether its replay on copies
+    # came out as the live step did: REPRODUCED or NOT_REPRODUCED.
+    reproduced: str | None = None
 
     def line(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": TELEMETRY_FORMAT}

@@ -19,7 +19,8 @@ once per training step (and per rank), with these fields in this order::
      "grad_headroom_from": "max_abs" | "tensor_norm" | "total_norm" | null,
      "weight_norm": float | null,
      "output": {"max_abs": float | null, "where": str | null, "dtype": str | null,
-                "headroom_bits": float | null, "nonfinite": [str]} | null}
+                "headroom_bits": float | null, "nonfinite": [str]} | null,
+     "reproduced": "REPRODUCED" | "NOT_REPRODUCED" | null}
 
 The sentinel appends ``activations`` and ``lr`` (which this reader leaves to the
 line) and ``grad_headroom_from``: ``"max_abs"`` when grad.headroom_bits is exact
@@ -29,6 +30,8 @@ norm clipping computed (|g_i| <= ||g||), null when there is no headroom (or the
 writer is older). ``weight_norm`` (the updated parameters' L2 norm) and
 ``output`` (the model's reduced-precision output extreme, every step) were
 appended after it for the early warnings; a line without them reads as null.
+``reproduced`` (on a held step, or one skipped under ``transient="rerun"``:
+whether its replay on copies came out as the live step did) was appended last.
 
 Fields may be added only at the end; a reader ignores keys it does not know, so a
 newer writer's lines still read. A warning code is an upper-case identifier
@@ -147,6 +150,7 @@ class TelemetryRecord:
     grad_headroom_from: str | None = None  # one of HEADROOM_SOURCES
     weight_norm: float | None = None
     output: OutputStats | None = None
+    reproduced: str | None = None  # one of REPRODUCTIONS, on a held or re-run step
 
     @property
     def overflow_absorbed(self) -> bool:
@@ -242,6 +246,7 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
         "grad_headroom_from": record.grad_headroom_from,
         "weight_norm": record.weight_norm,
         "output": None if output is None else _output_document(output),
+        "reproduced": record.reproduced,
     }
 
 
@@ -426,7 +431,11 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         )
         bundle, warnings, loss_class = d["bundle"], d["warnings"], d["loss_class"]
         headroom_from = d.get("grad_headroom_from")
-        if d.get("weight_norm") is not None or d.get("output") is not None:
+        if (
+            d.get("weight_norm") is not None
+            or d.get("output") is not None
+            or d.get("reproduced") is not None
+        ):
             return None  # the appended early-warning fields: read by _checked_record
         nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
         dtype, headroom, norm = g["dtype"], g["headroom_bits"], g["norm"]
@@ -463,7 +472,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         "loss": loss, "loss_class": "finite", "grad": grad, "update": update, "scale": scale,
         "found_inf": found_inf, "skipped": skipped, "held": held, "warnings": (), "bundle": bundle,
         "grad_headroom_from": headroom_from,
-        "weight_norm": None, "output": None,
+        "weight_norm": None, "output": None, "reproduced": None,
     })  # fmt: skip
 
 
@@ -566,6 +575,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     grad_headroom_from: Literal["max_abs", "tensor_norm", "total_norm"] | None = None
     weight_norm: float | None = None
     output: CommonOutput | None = None
+    reproduced: None = None  # set only on a held or re-run line, never uneventful
 
 
 COMMON_LINE = msgspec.json.Decoder(CommonLine)
@@ -621,7 +631,17 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
         headroom_from,
         _number(document, "weight_norm") if "weight_norm" in document else None,
         _output(document.get("output")),
+        _reproduced(document.get("reproduced")),
     )
+
+
+REPRODUCTIONS = ("REPRODUCED", "NOT_REPRODUCED")
+
+
+def _reproduced(value: Any) -> str | None:
+    if value is not None and value not in REPRODUCTIONS:
+        raise _invalid("reproduced", f"expected {' or '.join(REPRODUCTIONS)} or null")
+    return value  # type: ignore[no-any-return]
 
 
 def _output(document: Any) -> OutputStats | None:

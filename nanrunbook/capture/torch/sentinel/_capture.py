@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,9 @@ from typing import Any
 
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
-from nanrunbook.capture.incident import incident_bundle_path
+from nanrunbook.capture.incident import Reproduction, StepSight, incident_bundle_path
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._faithfulness import device_facts
 from nanrunbook.capture.torch._offload import ReplayMemory
 from nanrunbook.capture.torch.replay import (
     COMPILED_LIVE,
@@ -58,6 +61,9 @@ class Captured:
     report: Any  # nanrunbook.Report, when the bundle was written and checked
     error: str | None
     notes: tuple[str, ...] = ()  # how the replay differs from the live step, for the reason
+    reproduced: Reproduction | None = None  # the replay against the live step
+    capsule: Path | None = None  # the held step's capsule, to replay it later
+    capsule_error: str | None = None  # why there is none
 
 
 def _scaling(objects: StepObjects) -> Scaling:
@@ -114,6 +120,71 @@ def _differences(record: StepRecord, writer: Any) -> list[tuple[str, str]]:
                 )
             )
     return found
+
+
+_CHECKED = ("loss", "backward", "optimizer")  # the boundaries the live step checks
+
+
+def _sums(counts: Any) -> tuple[int, int, int]:
+    return (
+        sum(c.nan for c in counts),
+        sum(c.posinf for c in counts),
+        sum(c.neginf for c in counts),
+    )
+
+
+def live_sight(record: StepRecord, *, peer: bool = False) -> StepSight:
+    """What the live step saw: its losses' bits and counts, its gradients' counts
+    (exact when the check counted them; none when it saw them finite), the
+    update's finiteness; ``peer``: held for another rank, its own values finite."""
+    values = record.loss_values
+    loss = (
+        sum(math.isnan(v) for v in values),
+        sum(v == math.inf for v in values),
+        sum(v == -math.inf for v in values),
+    )
+    grads = record.grads
+    gradients: tuple[int, int, int] | None = None
+    if grads.local_finite is None:  # under DDP the live counts are after the all-reduce
+        if grads.counts:
+            gradients = _sums(grads.counts)
+        elif not (grads.tripped or grads.found_inf):
+            gradients = (0, 0, 0)
+    update = record.update
+    stage = None
+    if not peer:
+        if any(loss):
+            stage = "loss"
+        elif grads.tripped or grads.found_inf or (gradients is not None and any(gradients)):
+            stage = "backward"
+        elif update is not None and (update.nan or update.posinf or update.neginf):
+            stage = "optimizer"
+    bits = tuple(tensor_to_raw(value).data.hex() for value in record.losses)
+    return StepSight(stage, bits, loss, gradients)
+
+
+def replay_sight(report: Report, loss_bits: tuple[str, ...]) -> StepSight:
+    """What a replay's checked bundle saw at the same boundaries."""
+    found = {finding.stage: finding for finding in report.stages}
+
+    def counted(stage: str) -> tuple[int, int, int] | None:
+        counts = found[stage].counts
+        return None if counts is None else (counts.nan, counts.posinf, counts.neginf)
+
+    stage = next((s for s in _CHECKED if any(counted(s) or ())), None)
+    return StepSight(stage, loss_bits, counted("loss") or (0, 0, 0), counted("backward"))
+
+
+def where_it_ran(model: Any, rank: int | None) -> dict[str, Any]:
+    """The host, device (and CUDA device UUID) and rank a reproduction names."""
+    param = next(iter(model.parameters()), None)
+    facts = device_facts(param.device if param is not None else "cpu")
+    return {
+        "host": socket.gethostname(),
+        "device": str(facts["device"]),
+        "device_uuid": facts.get("gpu_uuid"),
+        "rank": rank,
+    }
 
 
 def _compare(objects: StepObjects, record: StepRecord, replayed: Replayed) -> list[str]:
@@ -192,7 +263,13 @@ def capture_step(
     log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
         log.error("step %d: %s", record.number, note)
-    return Captured(target, report, None, tuple(notes))
+    reproduced = Reproduction.compare(
+        live_sight(record, peer=peer),
+        replay_sight(report, replayed.loss_bits),
+        **where_it_ran(objects.model, rank),
+    )
+    log.error("step %d: %s", record.number, reproduced.line())
+    return Captured(target, report, None, tuple(notes), reproduced)
 
 
 def held_line(step: int, target: Path, report: Report, *, peer: bool = False) -> str:

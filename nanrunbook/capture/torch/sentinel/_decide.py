@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -57,6 +58,7 @@ class Decisions:
     scaler: Any
     loss_scale: float | None
     policy: str
+    transient: str
     thresholds: Thresholds
     facts: LoopFacts
     objects: StepObjects
@@ -386,7 +388,10 @@ class Decisions:
         if self.policy == "skip" and outcome.kind == "incident" and not self._may_skip(0):
             reason += f"; {skips} consecutive skipped steps"
         stage = outcome.stage if mine else None
-        raise self._hold(step, reason, stage, agreed.attempt)
+        hold = self._hold(step, reason, stage, agreed.attempt)
+        if hold is None:  # not reproduced, and the policy re-runs: skipped, recorded
+            return STOP
+        raise hold
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
@@ -401,10 +406,12 @@ class Decisions:
         stage: str | None,
         attempt: int = 0,
         skipped: StepRecord | None = None,
-    ) -> SentinelHold:
+    ) -> SentinelHold | None:
         """Capture the step's bundle, write its line (and the line of ``skipped``,
         the step run on it), then exchange the ranks' verdicts (after the lines:
-        a hold whose exchange fails still left them); the exception to raise."""
+        a hold whose exchange fails still left them); the exception to raise.
+        None under ``transient="rerun"`` (one process) when the replay did not
+        reproduce the live step: the step is skipped, its evidence kept."""
         self._held = True
         several = self.ranks.several
         captured = capture_step(
@@ -422,7 +429,15 @@ class Decisions:
         report = captured.report
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
-        self._finish(step, held=True, bundle=captured.bundle)
+        reproduced = captured.reproduced
+        rerun = self.transient == "rerun" and not several  # one process: no second vote
+        if reproduced is not None:
+            reproduced = replace(reproduced, policy="rerun" if rerun else "hold")
+            if not reproduced.reproduced and rerun:
+                self._not_reproduced(step, captured, reproduced, skipped)
+                return None
+        verdict = reproduced.verdict if reproduced is not None else None
+        self._finish(step, held=True, bundle=captured.bundle, reproduced=verdict)
         if skipped is not None:
             self._finish(skipped, skipped=True)
         origin = self.ranks.origin(
@@ -437,7 +452,26 @@ class Decisions:
             last_known_good=self.last_known_good,
             capture_error=captured.error,
             origin_ranks=origin if several else None,
+            reproduced=reproduced,
+            capsule=captured.capsule,
+            capsule_error=captured.capsule_error,
         )
+
+    def _not_reproduced(
+        self, step: StepRecord, captured: Any, reproduced: Any, skipped: StepRecord | None
+    ) -> None:
+        """The re-run (the replay from the same state and random state) came out
+        finite where the live step did not: a transient fault. The step stays
+        skipped (its update was never applied), its bundle and capsule kept."""
+        self._held = False
+        message = (
+            f"step {step.number} skipped, not held: {reproduced.line()}; bundle {captured.bundle}"
+        )
+        log.warning("%s", message)
+        step.warnings.append(Alert("STEP_NOT_REPRODUCED", message))
+        self._finish(step, skipped=True, bundle=captured.bundle, reproduced=reproduced.verdict)
+        if skipped is not None:
+            self._finish(skipped, skipped=True)
 
     def _topology(self) -> dict[str, Any] | None:
         """The bundle's topology: the job's rank and size, with the voting group's."""
@@ -532,7 +566,10 @@ class Decisions:
                 self._finish(current, skipped=True)
             return STOP
         reason += "; rolled back to the pre-step snapshot"
-        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        hold = self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        if hold is None:
+            return STOP
+        raise hold
 
     def _contaminated(
         self, previous: StepRecord, current: StepRecord | None, reason: str, attempt: int
@@ -563,6 +600,7 @@ class Decisions:
         skipped: bool = False,
         held: bool = False,
         bundle: Path | None = None,
+        reproduced: str | None = None,
     ) -> None:
         warnings = [*self._carry, *step.warnings]
         self._carry = []
@@ -594,6 +632,7 @@ class Decisions:
             grad_headroom_from=step.grads.headroom_from(grad),
             weight_norm=step.weight_norm,
             output=step.output,
+            reproduced=reproduced,
         )
         self._telemetry.append(record)
 

@@ -74,6 +74,7 @@ __all__ = ["Policy", "Sentinel"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 Policy = Literal["hold", "skip"]
+Transient = Literal["hold", "rerun"]
 
 
 def _refuse_closure_optimizer(optimizer: Any) -> None:
@@ -133,7 +134,14 @@ class Sentinel(Decisions):
     each forward and restored for the replay (the run's are left as they were).
     ``host_random`` false skips numpy's and Python's (numpy's ``get_state``
     costs about 1 ms a forward): a replay that draws from them is then marked
-    inexact.
+    inexact. ``transient``: what a hold does when its replay on copies (the step
+    run again from the same state and random state) does not come out as the
+    live step did (``SentinelHold.reproduced`` NOT_REPRODUCED: a transient fault
+    or a nondeterministic kernel): ``hold`` (the default) holds all the same;
+    ``rerun`` holds only if the re-run failed again, else skips the step (its
+    update never applied), keeps its bundle and capsule, warns
+    STEP_NOT_REPRODUCED and goes on (one process; several ranks hold). The
+    telemetry line's ``reproduced`` records it either way.
     """
 
     def __init__(
@@ -151,6 +159,7 @@ class Sentinel(Decisions):
         scheduler: Any = None,
         loss_scale: float | None = None,
         policy: Policy = "hold",
+        transient: Transient = "hold",
         thresholds: Thresholds | None = None,
         snapshot: bool | SnapshotPlace = False,
         incident_dir: str | Path = "incident",
@@ -165,6 +174,8 @@ class Sentinel(Decisions):
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
             raise ValueError(f"policy is 'hold' or 'skip', not {policy!r}")
+        if transient not in ("hold", "rerun"):
+            raise ValueError(f"transient is 'hold' or 'rerun', not {transient!r}")
         if replay_memory not in REPLAY_MEMORY:
             raise ValueError(f"replay_memory is one of {REPLAY_MEMORY}, not {replay_memory!r}")
         self.facts = LoopFacts.of(
@@ -180,6 +191,7 @@ class Sentinel(Decisions):
         self.scheduler = scheduler
         self.loss_scale = _static_scale(loss_scale, self.scaler)
         self.policy: Policy = policy
+        self.transient: Transient = transient
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
