@@ -109,7 +109,8 @@ def bundles(tmp: Path, run_id: str) -> list[Path]:
     root = tmp / "incident" / run_id
     if not root.exists():
         return []
-    return sorted(p.parent for p in root.rglob("manifest.json"))
+    # A held step's capsule (its bundle's capsule/ directory) has a manifest too.
+    return sorted(p.parent for p in root.rglob("manifest.json") if p.parent.name != "capsule")
 
 
 def params_finite(model: nn.Module) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -414,6 +413,7 @@ class Decisions:
         reproduce the live step: the step is skipped, its evidence kept."""
         self._held = True
         several = self.ranks.several
+        rerun = self.transient == "rerun" and not several  # one process: no second vote
         captured = capture_step(
             self.objects,
             self.facts,
@@ -424,18 +424,16 @@ class Decisions:
             attempt if several else None,
             self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
+            policy="rerun" if rerun else "hold",
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
         reproduced = captured.reproduced
-        rerun = self.transient == "rerun" and not several  # one process: no second vote
-        if reproduced is not None:
-            reproduced = replace(reproduced, policy="rerun" if rerun else "hold")
-            if not reproduced.reproduced and rerun:
-                self._not_reproduced(step, captured, reproduced, skipped)
-                return None
+        if reproduced is not None and not reproduced.reproduced and rerun:
+            self._not_reproduced(step, captured, reproduced, skipped)
+            return None
         verdict = reproduced.verdict if reproduced is not None else None
         self._finish(step, held=True, bundle=captured.bundle, reproduced=verdict)
         if skipped is not None:
@@ -589,6 +587,8 @@ class Decisions:
             contaminated=True,
             capture_error="no pre-step snapshot to replay from (Sentinel(snapshot=True) keeps one)",
             origin_ranks=origin if self.ranks.several else None,
+            capsule_error="the real state holds the non-finite update (no snapshot): no capsule"
+            " is written, nothing can replay the step bit for bit",
         )
 
     # ------------------------------------------------------------- the line
