@@ -19,15 +19,25 @@ from nanrunbook.capture.incident import CAPSULE_DIRECTORY
 from nanrunbook.capture.torch.capsule._capsule import Capsule, LoadedStep
 from nanrunbook.capture.torch.capsule._contents import CapsuleRefused
 from nanrunbook.capture.torch.capsule._live import annotate_replay
+from nanrunbook.capture.torch.capsule._session import (
+    CapsuleReplay,
+    ChangedReplay,
+    replay_capsule,
+    replay_document,
+)
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
 
 __all__ = [
     "CAPSULE_FORMAT",
     "Capsule",
     "CapsuleRefused",
+    "CapsuleReplay",
+    "ChangedReplay",
     "HeldStep",
     "LoadedStep",
     "annotate_replay",
+    "replay_capsule",
+    "replay_document",
     "write_capsule",
     "write_held_capsule",
 ]

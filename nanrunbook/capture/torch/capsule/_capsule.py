@@ -22,7 +22,8 @@ import torch
 from nanrunbook.capture._changes import CHANGE_FIELD, Change
 from nanrunbook.capture.incident import Reproduction, StepSight
 from nanrunbook.capture.torch._copies import eager_module
-from nanrunbook.capture.torch._entry import Built
+from nanrunbook.capture.torch._entry import Built, built_objects
+from nanrunbook.capture.torch._entry import build as build_from
 from nanrunbook.capture.torch._state_dir import (
     StateDirManifest,
     StateDirRejected,
@@ -156,6 +157,19 @@ class Capsule:
             document["device_uuid"],
             str(document["policy"]),
         )
+
+    def replay(
+        self, build: Built | Any, *, out: str | Path, change: Change | None = None
+    ) -> Report:
+        """Build (``build``: the entry function, or what it returned), load, replay
+        the step as recorded or with ``change``, write its bundle at ``out``."""
+        if isinstance(build, Built):
+            built = build
+        elif callable(build):
+            built = build_from(build)
+        else:
+            built = built_objects(build)
+        return self.load(built).replay(out, change)
 
     # ---------------------------------------------------------------- load
 
