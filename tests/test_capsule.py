@@ -321,7 +321,8 @@ def test_a_document_that_does_not_read_is_rejected(incident: Path) -> None:
     reseal(capsule)
     result = cli(str(capsule), "--entry", "capsule_runs:build_regressor", "--format", "kv")
     assert result.exit_code == 3, result.output
-    assert f"violation={'CAPSULE_DOCUMENT_INVALID'}" in result.output
+    code = "CAPSULE_DOCUMENT_INVALID"
+    assert f"violation={code}" in result.output
 
 
 class _Run:
