@@ -283,6 +283,8 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
         "stage": hold.stage if hold else None,
         "reason": hold.reason if hold else None,
         "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        "reproduced": hold.reproduced.line() if hold and hold.reproduced else None,
+        "capsule": str(hold.capsule) if hold and hold.capsule else None,
         "finite": params_finite(net),
         "untouched": bool(hold) and state_bits(net, optimizer, scheduler) == ran.before[ran.steps],
         "changed": _changed(state_bits(net, optimizer, scheduler), ran.before[ran.steps]),

@@ -115,10 +115,14 @@ def live_sight(record: StepRecord, *, peer: bool = False) -> StepSight:
             gradients = (0, 0, 0)
     update = record.update
     stage = None
+    if grads.local_finite is not None:  # this rank's own gradients, as its replay's
+        backward = not grads.local_finite
+    else:
+        backward = bool(grads.tripped or grads.found_inf or (gradients and any(gradients)))
     if not peer:
         if any(loss):
             stage = "loss"
-        elif grads.tripped or grads.found_inf or (gradients is not None and any(gradients)):
+        elif backward:
             stage = "backward"
         elif update is not None and (update.nan or update.posinf or update.neginf):
             stage = "optimizer"
