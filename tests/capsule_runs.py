@@ -8,6 +8,7 @@ exits: the replay then runs in another process, after this one is gone.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,35 @@ def build_eps0() -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer, "compute_loss": pooled_loss}
 
 
+def build_static() -> dict[str, Any]:
+    """A classifier under float16 autocast with a static loss scale of 2^12."""
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"model": model, "optimizer": optimizer, "compute_loss": xent}
+
+
+def build_absurd_lr() -> dict[str, Any]:
+    """A warm-up written wrong: the learning rate x3000 from step 30."""
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 30 else 3000.0)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "compute_loss": mse}
+
+
+def noisy_mse(generator: torch.Generator, model: nn.Module, batch: Any) -> torch.Tensor:
+    """mse on inputs with noise drawn from the loop's own generator."""
+    noise = torch.randn(batch["x"].shape, generator=generator) * 0.01
+    return ((model(batch["x"] + noise) - batch["y"]) ** 2).mean()
+
+
+def build_noisy() -> dict[str, Any]:
+    """The regressor with input noise from a generator of the loop's own."""
+    built = build_regressor()
+    generator = torch.Generator().manual_seed(7)
+    return {**built, "compute_loss": functools.partial(noisy_mse, generator),
+            "generators": [generator]}  # fmt: skip
+
+
 def _nan_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     """Two micro-batches a step; at step HELD the second holds a NaN feature."""
     batch = regression_batch(step)
@@ -73,7 +103,7 @@ def _nan_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
 def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
     """Train ``kind`` until the sentinel holds; the hold."""
     torch.manual_seed(0)
-    built = {"data-nan": build_regressor, "fp16": build_fp16, "eps0": build_eps0}[kind]()
+    built = BUILDS[kind]()
     model, optimizer = built["model"], built["optimizer"]
     scheduler, scaler = built.get("scheduler"), built.get("scaler")
     sentinel = Sentinel(
@@ -82,6 +112,8 @@ def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
         built["compute_loss"],
         scheduler=scheduler,
         scaler=scaler,
+        loss_scale=2.0**12 if kind == "static" else None,
+        generators=built.get("generators", ()),
         snapshot=kind == "eps0",
         thresholds=quiet_thresholds(),
         **{**facts(kind, root), "incident_dir": root},
@@ -89,11 +121,22 @@ def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
     try:
         for i in range(1, steps + 1):
             optimizer.zero_grad()
-            if kind == "data-nan":
+            if kind in ("data-nan", "noisy"):
                 for micro in _nan_micro_batches(i):
                     sentinel.forward(micro).backward()
                 optimizer.step()
                 scheduler.step()
+            elif kind == "absurd-lr":
+                sentinel.forward(regression_batch(i)).backward()
+                optimizer.step()
+                scheduler.step()
+            elif kind == "static":
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = sentinel.forward(drifting_batch(i, drift_from=20))
+                (loss * 2.0**12).backward()
+                for p in model.parameters():
+                    p.grad.div_(2.0**12)
+                optimizer.step()
             elif kind == "fp16":
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = sentinel.forward(drifting_batch(i, drift_from=20))
@@ -117,6 +160,15 @@ def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
         sentinel.close()
     raise AssertionError(f"{kind} never held")
 
+
+BUILDS = {
+    "data-nan": build_regressor,
+    "noisy": build_noisy,
+    "fp16": build_fp16,
+    "eps0": build_eps0,
+    "static": build_static,
+    "absurd-lr": build_absurd_lr,
+}
 
 if __name__ == "__main__":
     held = train(sys.argv[1], Path(sys.argv[2]))

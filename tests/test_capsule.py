@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pytest
 import torch
-from capsule_runs import build_eps0, build_regressor, train
+from capsule_runs import BUILDS, build_regressor, train
 from typer.testing import CliRunner
 
 from nanrunbook.capture._state_manifest import (
@@ -95,16 +95,26 @@ def test_a_hold_leaves_a_capsule_that_names_its_bundle(held: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "entry", "change"),
-    [("data-nan", build_regressor, "batch=drop:10"), ("eps0", build_eps0, "eps=1e-8")],
+    ("kind", "change", "outcome"),
+    [
+        # two micro-batches, dropout, batch norm, a scheduler
+        ("data-nan", "batch=drop:10", "FIXED"),
+        ("noisy", "batch=replace:10=11", "FIXED"),  # the loop's own generator, replayed
+        ("eps0", "eps=1e-8", "FIXED"),  # a non-finite update, rolled back from the snapshot
+        ("static", "precision=fp32", "FIXED"),  # a static loss scale overflowing fp16 grads
+        # A LambdaLR warm-up written wrong: the held step's loss overflows on the
+        # weights the absurd rate already made; its own rate cannot fix it.
+        ("absurd-lr", "lr=0.01", "UNCHANGED"),
+    ],
 )
-def test_each_kind_replays_bit_for_bit_and_a_fix_says_fixed(
-    kind: str, entry: Any, change: str, tmp_path: Path
+def test_each_kind_replays_bit_for_bit_and_a_change_is_judged(
+    kind: str, change: str, outcome: str, tmp_path: Path
 ) -> None:
     hold = train(kind, tmp_path / "incident")
+    assert hold.reproduced is not None and hold.reproduced.verdict == "REPRODUCED"
     result = replay_capsule(
         Capsule.open(hold.capsule),
-        build(entry),
+        build(BUILDS[kind]),
         [(change, *parse_changes([change]))],
         tmp_path / "out",
     )
@@ -113,9 +123,9 @@ def test_each_kind_replays_bit_for_bit_and_a_fix_says_fixed(
     [changed] = result.changes
     assert (changed.comparison.verdict, changed.comparison.outcome) == (
         "ONE_MECHANISM_CHANGED",
-        "FIXED",
+        outcome,
     )
-    assert result.exit_code(require_fixed=True) == 0
+    assert result.exit_code(require_fixed=True) == (0 if outcome == "FIXED" else 1)
 
 
 def test_the_library_replays_with_the_entry_function(held: Any, tmp_path: Path) -> None:
