@@ -67,10 +67,10 @@ def build_static() -> dict[str, Any]:
 
 
 def build_absurd_lr() -> dict[str, Any]:
-    """A warm-up written wrong: the learning rate x3000 from step 30."""
+    """A warm-up written wrong: the learning rate x3000 from step 3."""
     model = Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 30 else 3000.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 3 else 3000.0)
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "compute_loss": mse}
 
 
@@ -132,14 +132,14 @@ def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
                 scheduler.step()
             elif kind == "static":
                 with torch.autocast("cpu", dtype=torch.float16):
-                    loss = sentinel.forward(drifting_batch(i, drift_from=20))
+                    loss = sentinel.forward(drifting_batch(i, drift_from=0))
                 (loss * 2.0**12).backward()
                 for p in model.parameters():
                     p.grad.div_(2.0**12)
                 optimizer.step()
             elif kind == "fp16":
                 with torch.autocast("cpu", dtype=torch.float16):
-                    loss = sentinel.forward(drifting_batch(i, drift_from=20))
+                    loss = sentinel.forward(drifting_batch(i, drift_from=0))
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
                 sentinel.clip_grad_norm_(model.parameters(), 5.0)
