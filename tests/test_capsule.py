@@ -386,3 +386,19 @@ def test_a_replay_never_writes_into_the_capsule_or_the_bundle(
                 "--out", str(tmp_path / "o"))  # fmt: skip
     assert again.exit_code == 2 and "exists" in again.output
     assert files_and_times(incident) == before
+
+
+def test_a_bundle_that_is_not_the_capsules_own_is_refused(incident: Path, tmp_path: Path) -> None:
+    from nanrunbook.capture.seal import seal_bundle
+
+    manifest = orjson.loads((incident / "manifest.json").read_bytes())
+    manifest["incident_owner"] = "someone-else"
+    del manifest["evidence_content_id"]
+    (incident / "manifest.json").write_bytes(orjson.dumps(manifest))
+    seal_bundle(incident)  # a valid bundle, another evidence
+    result = cli(str(incident / "capsule"), "--entry", "capsule_runs:build_regressor",
+                 "--format", "kv", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert result.exit_code == 3, result.output
+    code = "CAPSULE_BUNDLE_DIFFERS"
+    assert f"violation={code}" in result.output
+    assert not (tmp_path / "o").exists()

@@ -130,3 +130,25 @@ def test_rerun_still_holds_a_fault_that_comes_back(tmp_path: Path) -> None:
     assert hold is not None and hold.step == HELD
     assert hold.reproduced is not None and hold.reproduced.verdict == "REPRODUCED"
     assert hold.reproduced.policy == "rerun"
+
+
+def test_a_not_reproduced_incident_replays_from_its_capsule_as_its_bundle(tmp_path: Path) -> None:
+    """The capsule's replay says how it differs from the live step as the held
+    process's replay said it: the incident bundle again, bit for bit."""
+    from nanrunbook.capture.torch import Capsule
+
+    ran, _, _ = train(tmp_path, "flip-capsule", regression_batch, hook=HELD)
+    hold = ran.hold
+    assert hold is not None and hold.capsule is not None
+    capsule = Capsule.open(hold.capsule)
+    assert capsule.reproduced == hold.reproduced and capsule.reproduced.verdict == "NOT_REPRODUCED"
+
+    def build() -> dict[str, Any]:
+        model = Regressor()
+        return {"model": model, "optimizer": torch.optim.Adam(model.parameters()),
+                "compute_loss": mse}  # fmt: skip
+
+    report = capsule.replay(build, out=tmp_path / "again")
+    assert report.manifest.evidence_content_id == hold.report.manifest.evidence_content_id
+    sources = [finding.record.probe_source for finding in report.stages]
+    assert any("replay differs from the live step" in source for source in sources)

@@ -9,6 +9,10 @@ CODES: dict[str, str] = {
     "CAPSULE_DOCUMENT_INVALID": (
         "a capsule document lacks a field or holds a value of the wrong kind"
     ),
+    "CAPSULE_BUNDLE_DIFFERS": (
+        "the bundle beside the capsule is not the one the capsule was written with"
+        " (its evidence content id differs)"
+    ),
     "CAPSULE_OBJECTS_DIFFER": (
         "the objects the entry built differ from the capsule's (optimizer class, param"
         " groups, scheduler, scaler, generators): its state cannot be loaded into them"

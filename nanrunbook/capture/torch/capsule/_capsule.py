@@ -246,11 +246,16 @@ class Capsule:
             model.load_state_dict(template["model"])
         saved_optimizer = self.documents["optimizer"]
         groups = decode_value(saved_optimizer["param_groups"])
+        tensors = template.get("optimizer", {})
+        values = saved_optimizer["values"]
         state: dict[int, dict[str, Any]] = {}
-        for index, entry in template.get("optimizer", {}).items():
-            state.setdefault(int(index), {}).update(entry)
-        for index, entry in saved_optimizer["values"].items():
-            state.setdefault(int(index), {}).update({k: decode_value(v) for k, v in entry.items()})
+        for index, keys in saved_optimizer["order"]:  # the live state's own order
+            entry = state[int(index)] = {}
+            for key in keys:
+                if key in tensors.get(index, {}):
+                    entry[key] = tensors[index][key]
+                else:
+                    entry[key] = decode_value(values[index][key])
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         scheduler = self.documents["scheduler"]
         if scheduler is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from nanrunbook._version import __version__
 from nanrunbook.capture._changes import Change
 from nanrunbook.capture.torch._entry import Built, EntryError
+from nanrunbook.capture.torch._state_dir import StateDirRejected
 from nanrunbook.capture.torch.capsule._capsule import Capsule
 from nanrunbook.diff import Comparison, diff_bundles, diff_document
 from nanrunbook.exits import Exit, most_severe
@@ -61,6 +62,22 @@ def _outside(out: Path, *protected: Path | None) -> None:
         raise EntryError(f"--out {out} exists: a replay writes a new directory")
 
 
+def _same_bundle(capsule: Capsule, incident: Path) -> None:
+    """The bundle beside the capsule is the one it was written with (its manifest's
+    evidence content id; ``diff`` then checks that id against the evidence)."""
+    from nanrunbook import strictjson
+    from nanrunbook.errors import EvidenceRejected, Violation
+
+    try:
+        found = strictjson.load_manifest_bytes((incident / "manifest.json").read_bytes())
+    except (OSError, EvidenceRejected):
+        return  # diff rejects it, naming why
+    recorded = capsule.bundle_evidence_id
+    if found.get("evidence_content_id") != recorded:
+        message = f"its evidence content id is not {recorded}, which the capsule names"
+        raise StateDirRejected([Violation("CAPSULE_BUNDLE_DIFFERS", "..", message)])
+
+
 def _name(index: int, text: str) -> str:
     mechanism = text.partition("=")[0].strip() or "change"
     return f"change-{index}-{mechanism}"
@@ -70,11 +87,14 @@ def replay_capsule(
     capsule: Capsule, built: Built, changes: Sequence[tuple[str, Change]], out: Path
 ) -> CapsuleReplay:
     """Load, replay as recorded, compare; then each change. Raises
-    StateDirRejected (the built objects do not fit), ComparisonRejected (a bundle
+    StateDirRejected (the built objects do not fit, or the bundle beside the
+    capsule is not its own), ComparisonRejected (a bundle
     cannot be judged), EntryError (``out`` is not a new directory outside the
     capsule and the incident bundle) or ValueError (a change cannot apply)."""
     incident = capsule.incident_bundle
     _outside(out, capsule.path, incident)
+    if incident is not None:
+        _same_bundle(capsule, incident)
     loaded = capsule.load(built)
     out.mkdir(parents=True)
     base = out / "replay"

@@ -81,6 +81,9 @@ def _optimizer(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         for index, entry in tensors.items()
     }
     document = {
+        # JSON objects are written with sorted keys: the state's own order, which
+        # orders a replay's optimizer tensors, is kept as lists.
+        "order": [[str(index), list(entry)] for index, entry in saved["state"].items()],
         "class": type(optimizer).__name__,
         "param_groups": encode_value(saved["param_groups"], "param_groups"),
         "values": values,
