@@ -70,6 +70,7 @@ __all__ = [
     "encode_value",
     "load_state_dir",
     "read_metadata",
+    "read_state_dir",
     "verify_state_dir",
     "write_state_dir",
 ]
@@ -108,6 +109,10 @@ def write_state_dir(
             raise ValueError(f"document name {name!r} is not lower-case letters, digits and _")
     if target.exists() or target.is_symlink():
         raise FileExistsError(f"{target} exists: a state directory is never overwritten")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"{target.parent} is not a directory: make the one the state goes in"
+        )
     with atomic_directory(target) as temp:
         if state is not None:
             writer = FileSystemWriter(temp / STATE_SUBDIR, sync_files=True)
@@ -208,8 +213,10 @@ def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _differences(state: Mapping[str, Any], metadata: Metadata) -> list[Violation]:
     """Keys, shapes and dtypes of ``state`` against the saved state's."""
-    flat = _flat(state)
-    saved = metadata.state_dict_metadata
+    return _differences_flat(_flat(state), metadata.state_dict_metadata)
+
+
+def _differences_flat(flat: Mapping[str, Any], saved: Mapping[str, Any]) -> list[Violation]:
     violations: list[Violation] = []
     missing = sorted(set(flat) - set(saved))
     extra = sorted(set(saved) - set(flat))
@@ -266,12 +273,69 @@ def load_state_dir(
             )
         if isinstance(state, dict):
             state.update(target)  # non-tensor values DCP replaced at the top level
-    documents = {
+    return manifest, _documents(root, manifest)
+
+
+def read_state_dir(
+    path: Path, *, kind_format: str, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """Verify the directory, then read all of its DCP state as saved: the
+    manifest, the state (nested as saved; dict keys come back as strings, as
+    DCP stores them) and the documents. ``into``: top-level parts to load in
+    place (a model's ``state_dict()``: its tensors are copied into, no second
+    copy); their keys, shapes and dtypes must match the saved part's, every
+    difference refused before anything is read (StateDirRejected)."""
+    root = Path(path)
+    manifest, violations = verify_state_dir(root, kind_format=kind_format)
+    if violations or manifest is None:
+        raise StateDirRejected(violations)
+    metadata = read_metadata(root)
+    given = _flat(into) if into else {}
+    parts = set(into or ())
+    saved = metadata.state_dict_metadata
+    inside = {k: v for k, v in saved.items() if _top(metadata, k) in parts}
+    differences = _differences_flat(given, inside)
+    if differences:
+        raise StateDirRejected(differences)
+    template: dict[str, Any] = {}
+    for key, stored in saved.items():
+        if key in given:
+            template[key] = given[key]
+        elif isinstance(stored, TensorStorageMetadata):
+            template[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+        else:
+            template[key] = None
+    planner = _WeightsOnlyPlanner(flatten_state_dict=False)
+    with _single_process_quiet():
+        dcp_load(
+            template,
+            storage_reader=_RestrictedReader(root),
+            planner=planner,
+            no_dist=not _distributed(),
+        )
+    loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
+    nested: dict[str, Any] = {}
+    for key, value in loaded.items():
+        set_element(nested, _path(metadata, key), value)
+    return manifest, nested, _documents(root, manifest)
+
+
+def _top(metadata: Metadata, key: str) -> str:
+    return str(_path(metadata, key)[0])
+
+
+def _path(metadata: Metadata, key: str) -> tuple[Any, ...]:
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    found = mappings.get(key)
+    return tuple(found) if isinstance(found, tuple | list) and found else (key,)
+
+
+def _documents(root: Path, manifest: StateDirManifest) -> dict[str, Any]:
+    return {
         name.removesuffix(".json"): read_document(root, name.removesuffix(".json"))
         for name in manifest.files
         if "/" not in name and name.endswith(".json")
     }
-    return manifest, documents
 
 
 # The tagged JSON form of non-tensor state: exact, and read back with no pickle.

@@ -63,6 +63,7 @@ class Decisions:
     ranks: Ranks
     incident_dir: Path
     last_known_good: dict[str, Any]
+    last_known_good_recovery: str  # "verified" (a point the tool verified) or "stated"
     last_step: int
     _params: list[Any]
     _local: LocalGradients | None
@@ -417,6 +418,7 @@ class Decisions:
             attempt if several else None,
             self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
