@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nanrunbook import strictjson
+from nanrunbook.access import file_where
 from nanrunbook.capture._state_manifest import (
     FORMATS,
     MANIFEST_NAME,
@@ -37,8 +38,11 @@ __all__ = [
     "RecoveryPoint",
     "RecoveryVerification",
     "latest_recovery_point",
+    "verification_document",
     "verify_recovery_point",
 ]
+
+VERIFICATION_FORMAT = "nanrunbook-recovery-verification/1"
 
 FORMAT = FORMATS["recovery_point"]
 PARTS = (*RECOVERY_PARTS, "rng")  # what a point holds: the contract's five and the RNG
@@ -122,7 +126,7 @@ def _header_violations(header: Mapping[str, Any]) -> list[Violation]:
 
 
 def _part_violations(
-    root: Path, header: Mapping[str, Any], listed: Mapping[str, Any]
+    root: Path, header: Mapping[str, Any], listed: Mapping[str, Any], failed: set[str]
 ) -> list[Violation]:
     step = header["step"]
     parts: Mapping[str, Any] = header["parts"]
@@ -146,7 +150,7 @@ def _part_violations(
         if entry.get("step") != step:
             message = f"{part} saved at step {quote(entry.get('step'))}, the point is step {step}"
             violations.append(Violation("RECOVERY_STEP_MISMATCH", where, message))
-        if part in DOCUMENT_PARTS:
+        if part in DOCUMENT_PARTS and file_where(f"{part}.json") not in failed:
             violations.extend(_document_violations(root, part, step))
     return violations
 
@@ -187,7 +191,8 @@ def verify_recovery_point(path: Path | str, *, progress: Any = None) -> Recovery
     header_violations = _header_violations(header)
     violations.extend(header_violations)
     if not header_violations:
-        violations.extend(_part_violations(root, header, manifest.files))
+        failed = {violation.where for violation in found}  # their contents are not read
+        violations.extend(_part_violations(root, header, manifest.files, failed))
     parts = header.get("parts") if isinstance(header.get("parts"), dict) else {}
     return RecoveryVerification(
         path=str(root),
@@ -261,3 +266,24 @@ def latest_recovery_point(directory: Path | str) -> RecoveryVerification | None:
         if verification.verified:
             return verification
     return None
+
+
+def verification_document(verification: RecoveryVerification) -> dict[str, Any]:
+    """``verify-recovery --format json``: what was verified and every violation."""
+    return {
+        "verification_format": VERIFICATION_FORMAT,
+        "path": verification.path,
+        "verified": verification.verified,
+        "point_id": verification.point_id,
+        "run_id": verification.run_id,
+        "step": verification.step,
+        "torch_version": verification.torch_version,
+        "world_size": verification.world_size,
+        "parts": dict(verification.parts or {}),
+        "files": verification.files,
+        "bytes": verification.total_bytes,
+        "violations": [
+            {"code": v.code, "where": v.where, "message": v.message}
+            for v in verification.violations
+        ],
+    }

@@ -28,6 +28,7 @@ from nanrunbook.cli import (  # noqa: E402, F401  (each registers its commands)
     documents,
     merge,
     seal,
+    verify_recovery,
     watch,
 )
 from nanrunbook.cli.app import app, entry_point, main  # noqa: E402

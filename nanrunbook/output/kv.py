@@ -26,6 +26,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
+    from nanrunbook.capture.recovery import RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -232,3 +233,19 @@ class KvRenderer(Renderer):
 
         out.write(f"event={event_value(event)}\n")
         out.flush()
+
+    def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
+        # Identifiers and numbers only; the path and the messages are free text.
+        lines = [f"recovery_point={'VERIFIED' if verification.verified else 'REJECTED'}"]
+        for key in ("point_id", "run_id"):
+            value = getattr(verification, key)
+            lines.append(f"{key}={value if value and IDENTIFIER.fullmatch(value) else '?'}")
+        step = verification.step
+        lines += [
+            f"step={step if step is not None else '?'}",
+            f"files={verification.files}",
+            f"bytes={verification.total_bytes}",
+            f"violations={len(verification.violations)}",
+        ]
+        lines += [f"violation={v.code} {kv_where(v.where)}" for v in verification.violations]
+        _write(lines, out)

@@ -30,6 +30,7 @@ from nanrunbook.verdict.runbook import Section
 from nanrunbook.verdict.wording import counts_phrase, number, shape_text
 
 if TYPE_CHECKING:
+    from nanrunbook.capture.recovery import RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -247,6 +248,45 @@ class TextRenderer(Renderer):
         counts = {d: sum(_outcome_decision(o) == d for o in outcomes) for d in _DECISION_STYLE}
         tally = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
         _show(console, Text(f"{len(outcomes)} checked: {tally}; exit {exit_code}, the most severe"))
+
+    def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        count = len(verification.violations)
+        if verification.verified:
+            headline = Text.assemble(
+                ("nanrunbook verify-recovery: ", "bold"),
+                ("VERIFIED", "bold green"),
+                f" - step {verification.step}, every file as written",
+            )
+        else:
+            headline = Text.assemble(
+                ("nanrunbook verify-recovery: ", "bold"),
+                ("REJECTED", "bold yellow"),
+                f" - {count} violation{'s' if count != 1 else ''}; not a recovery point",
+            )
+        _show(console, headline)
+        rows: list[tuple[str, Any]] = [("point", Text(verification.path))]
+        if verification.point_id is not None:
+            rows.append(("id", Text(verification.point_id)))
+        if verification.run_id is not None:
+            rows.append(("run", Text(verification.run_id)))
+        if verification.parts:
+            shown = ", ".join(f"{part} {kind}" for part, kind in sorted(verification.parts.items()))
+            rows.append(("parts", Text(shown)))
+        if verification.files:
+            size = f"{verification.files} files, {verification.total_bytes} bytes"
+            torch_version = verification.torch_version or "?"
+            rows.append(
+                (
+                    "read",
+                    Text(f"{size}; torch {torch_version}, world size {verification.world_size}"),
+                )
+            )
+        _show(console, _grid(rows))
+        for violation in verification.violations:
+            _show_violation(console, violation.code, violation.where, violation.message)
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from rich.text import Text
