@@ -26,7 +26,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,11 +98,13 @@ def write_state_dir(
     kind_format: str,
     state: Mapping[str, Any] | None,
     documents: Mapping[str, Any],
-    header: Mapping[str, Any],
+    header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
 ) -> StateDirManifest:
     """Write ``state`` through DCP and each document as ``<name>.json``, then the
     manifest, atomically at ``path`` (which must not exist: FileExistsError).
-    A failure or a kill leaves nothing at ``path``."""
+    A failure or a kill leaves nothing at ``path``. ``header`` may be a callable,
+    called once the files are written, before the manifest: facts computed
+    while DCP writes (a digest of the state in memory, say)."""
     target = Path(path)
     for name in documents:
         if not _DOCUMENT_NAME.fullmatch(name):
@@ -123,7 +125,8 @@ def write_state_dir(
         files = _digests(temp)
         if state is not None:
             fsync_directory(temp / STATE_SUBDIR)
-        manifest = StateDirManifest(kind_format, files, dict(header))
+        facts = header() if callable(header) else header
+        manifest = StateDirManifest(kind_format, files, dict(facts))
         write_synced(temp / MANIFEST_NAME, [manifest_document(manifest)])
     return manifest
 
