@@ -7,7 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHANGE_FIELD", "Change", "LossScale", "OtherBatch", "Reduction", "WithoutAutocast"]
+__all__ = [
+    "CHANGE_FIELD",
+    "Change",
+    "LearningRate",
+    "LossScale",
+    "OtherBatch",
+    "Reduction",
+    "WithoutAutocast",
+]
 
 CHANGE_FIELD = "replay_change"  # the binding detail that records the change
 
@@ -43,4 +51,14 @@ class OtherBatch:
     item = "batch"
 
 
-Change = WithoutAutocast | LossScale | Reduction | OtherBatch
+@dataclass(frozen=True, slots=True)
+class LearningRate:
+    """Every parameter group's learning rate times ``factor``: the ``optimizer``
+    item. Applied to a resumed run (``prove_recovery``); a single-step replay
+    does not take it yet."""
+
+    factor: float
+    item = "optimizer"
+
+
+Change = WithoutAutocast | LossScale | Reduction | OtherBatch | LearningRate

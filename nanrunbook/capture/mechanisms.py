@@ -22,6 +22,9 @@ The changes:
   every loss function of ``torch.nn.functional`` that ``compute_loss`` calls
   with the binding's reduction (``objective``).
 * :class:`OtherBatch` -- another batch (``batch``).
+* :class:`LearningRate` -- every group's learning rate times a factor
+  (``optimizer``), for a resumed run (``prove_recovery``); ``replay_changed``
+  refuses it.
 
 A change that changes nothing (no autocast region entered, no loss function
 with that reduction called, the same scale or batch) raises ValueError rather
@@ -33,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nanrunbook.capture._changes import (
+    LearningRate,
     LossScale,
     OtherBatch,
     Reduction,
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from nanrunbook.capture.torch.replay._mechanisms import autocast_off, replay_changed
 
 __all__ = [
+    "LearningRate",
     "LossScale",
     "OtherBatch",
     "Reduction",

@@ -36,8 +36,11 @@ __all__ = [
     "PARTS",
     "RNG_STREAMS",
     "RecoveryPoint",
+    "RecoveryRecord",
     "RecoveryVerification",
+    "StepTrend",
     "latest_recovery_point",
+    "record_document",
     "verification_document",
     "verify_recovery_point",
 ]
@@ -286,4 +289,90 @@ def verification_document(verification: RecoveryVerification) -> dict[str, Any]:
             {"code": v.code, "where": v.where, "message": v.message}
             for v in verification.violations
         ],
+    }
+
+
+RECORD_FORMAT = "nanrunbook-recovery-record/1"
+
+
+@dataclass(frozen=True)
+class StepTrend:
+    """Median loss and gradient norm over some steps (None: no finite value)."""
+
+    steps: int
+    loss: float | None
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """What ``prove_recovery`` ran and found: proven, or why not. Reopening the
+    run stays a person's decision: ``reopen_decided_by`` (the incident's owner)."""
+
+    point: str
+    point_id: str
+    point_step: int
+    run_id: str
+    incident: str
+    incident_step: int
+    incident_owner: str
+    change: str | None
+    steps_run: tuple[int, ...]
+    held_at: int | None
+    warnings: tuple[tuple[int, str], ...]  # (step, code), from the incident step on
+    before: StepTrend  # the resumed run's own steps before the incident
+    after: StepTrend  # the incident step and the ones after it
+    digests_match: bool  # the state after resume is the point's, bit for bit
+    new_bundle: str | None
+    new_decision: str | None
+    diff_verdict: str | None
+    diff_outcome: str | None
+    changed_items: tuple[str, ...]
+    reasons: tuple[str, ...]  # why not proven (empty when proven)
+    max_warnings: int = 0
+
+    @property
+    def proven(self) -> bool:
+        return not self.reasons
+
+    @property
+    def reopen_decided_by(self) -> str:
+        return self.incident_owner
+
+
+def record_document(record: RecoveryRecord) -> dict[str, Any]:
+    """The recovery record as JSON (``recovery.json``, ``prove --format json``)."""
+
+    def trend(value: StepTrend) -> dict[str, Any]:
+        return {"steps": value.steps, "loss": value.loss, "grad_norm": value.grad_norm}
+
+    return {
+        "record_format": RECORD_FORMAT,
+        "proven": record.proven,
+        "reasons": list(record.reasons),
+        "point": {"path": record.point, "id": record.point_id, "step": record.point_step},
+        "run_id": record.run_id,
+        "incident": {
+            "bundle": record.incident,
+            "step": record.incident_step,
+            "owner": record.incident_owner,
+        },
+        "change": record.change,
+        "steps_run": list(record.steps_run),
+        "held_at": record.held_at,
+        "warnings": [{"step": step, "code": code} for step, code in record.warnings],
+        "max_warnings": record.max_warnings,
+        "trend": {"before": trend(record.before), "after": trend(record.after)},
+        "digests_match": record.digests_match,
+        "new_bundle": record.new_bundle,
+        "new_decision": record.new_decision,
+        "diff": {
+            "verdict": record.diff_verdict,
+            "outcome": record.diff_outcome,
+            "changed_items": list(record.changed_items),
+        },
+        "reopen": {
+            "decided_by": record.reopen_decided_by,
+            "note": "reopening the run is a person's decision; this record is its evidence",
+        },
     }

@@ -27,6 +27,7 @@ from nanrunbook.cli import (  # noqa: E402, F401  (each registers its commands)
     diff,
     documents,
     merge,
+    prove,
     seal,
     verify_recovery,
     watch,

@@ -18,7 +18,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
-    from nanrunbook.capture.recovery import RecoveryVerification
+    from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -85,3 +85,7 @@ class Renderer(ABC):
     @abstractmethod
     def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
         """A recovery point verified or not, with every violation (``verify-recovery``)."""
+
+    @abstractmethod
+    def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
+        """A proof of recovery, proven or not and why (``prove``)."""

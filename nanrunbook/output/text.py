@@ -30,7 +30,7 @@ from nanrunbook.verdict.runbook import Section
 from nanrunbook.verdict.wording import counts_phrase, number, shape_text
 
 if TYPE_CHECKING:
-    from nanrunbook.capture.recovery import RecoveryVerification
+    from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected, TensorDiff
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -287,6 +287,49 @@ class TextRenderer(Renderer):
         _show(console, _grid(rows))
         for violation in verification.violations:
             _show_violation(console, violation.code, violation.where, violation.message)
+
+    def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
+        from rich.text import Text
+
+        console = self._console(out)
+        verdict = ("PROVEN", "bold green") if record.proven else ("NOT PROVEN", "bold red")
+        change = record.change or "no change"
+        after = sum(1 for n in record.steps_run if n > record.incident_step)
+        ran = (
+            f"held at step {record.held_at}"
+            if record.held_at is not None
+            else f"then {after} steps"
+        )
+        _show(
+            console,
+            Text.assemble(
+                ("nanrunbook prove: ", "bold"),
+                verdict,
+                f" - step {record.incident_step} with {change}, {ran}",
+            ),
+        )
+
+        def trend(label: str, value: Any) -> str:
+            loss = "-" if value.loss is None else f"{value.loss:.4g}"
+            norm = "-" if value.grad_norm is None else f"{value.grad_norm:.4g}"
+            return f"{label}: median loss {loss}, grad norm {norm} ({value.steps} steps)"
+
+        diff = record.diff_verdict or "none"
+        if record.diff_outcome:
+            diff += f", {record.diff_outcome}"
+        rows: list[tuple[str, Any]] = [
+            ("point", Text(f"{record.point_id} (step {record.point_step})")),
+            ("resumed", Text("bit for bit" if record.digests_match else "NOT the point's state")),
+            ("held", Text("none" if record.held_at is None else f"at step {record.held_at}")),
+            ("new bundle", Text(f"{record.new_decision or 'none'}; diff {diff}")),
+            ("trend", Text(trend("before", record.before))),
+            ("", Text(trend("from the incident", record.after))),
+            ("warnings", Text(", ".join(f"{c} (step {s})" for s, c in record.warnings) or "none")),
+            ("reopen", Text(f"a person's decision: {record.reopen_decided_by}")),
+        ]
+        _show(console, _grid(rows))
+        for reason in record.reasons:
+            _show(console, _indented(Text(f"not proven: {reason}"), 2))
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         from rich.text import Text

@@ -36,6 +36,7 @@ from nanrunbook.capture.torch.recovery import (
     RecoveryPoint,
     latest_recovery_point,
     load_recovery_point,
+    prove_recovery,
     save_recovery_point,
     verify_recovery_point,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "latest_recovery_point",
     "load_recovery_point",
     "probe",
+    "prove_recovery",
     "replay_step",
     "save_recovery_point",
     "shrink_step",

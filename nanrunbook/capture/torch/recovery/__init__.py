@@ -14,19 +14,24 @@ from nanrunbook.capture.recovery import (
     latest_recovery_point,
     verify_recovery_point,
 )
+from nanrunbook.capture.torch.recovery._entry import EntryError, TrainingRun
 from nanrunbook.capture.torch.recovery._point import (
     LoadedRecoveryPoint,
     load_recovery_point,
     save_recovery_point,
     state_digest,
 )
+from nanrunbook.capture.torch.recovery._prove import prove_recovery
 
 __all__ = [
+    "EntryError",
     "LoadedRecoveryPoint",
     "RecoveryPoint",
     "RecoveryVerification",
+    "TrainingRun",
     "latest_recovery_point",
     "load_recovery_point",
+    "prove_recovery",
     "save_recovery_point",
     "state_digest",
     "verify_recovery_point",

@@ -13,7 +13,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,14 @@ class LoadedRecoveryPoint:
     verification: RecoveryVerification
     restored_digests: Mapping[str, str]
     cursor: Mapping[str, Any] | None = None
+    random_states: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    generators: tuple[Any, ...] = field(default=(), repr=False)
+
+    def restore_random(self) -> None:
+        """Put the point's random states back again: for a loop that makes its
+        loader's iterator after the load (a DataLoader's iterator draws its
+        seed from torch's generator when the loader has none of its own)."""
+        _restore_rng(self.random_states, self.generators)
 
     @property
     def digests_match(self) -> bool:
@@ -423,7 +431,7 @@ def load_recovery_point(
     }
     if extra:
         restored["extra"] = state_digest(dict(extra))
-    return LoadedRecoveryPoint(point, verification, restored, cursor)
+    return LoadedRecoveryPoint(point, verification, restored, cursor, documents["rng"], gens)
 
 
 def _extra_violations(

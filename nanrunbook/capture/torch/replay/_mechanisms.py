@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from nanrunbook.capture._changes import (
     CHANGE_FIELD,
     Change,
+    LearningRate,
     LossScale,
     OtherBatch,
     Reduction,
@@ -99,6 +100,11 @@ def _plan(
         if _same_batch(batch, change.batch):
             raise ValueError("the other batch is bit for bit the batch: nothing would change")
         return _Plan(change.batch, compute_loss, scaler, binding, "batch substituted")
+    if isinstance(change, LearningRate):
+        raise ValueError(
+            "a learning-rate change applies to a resumed run (prove_recovery), not to a replay"
+            " of one step on copies"
+        )
     raise TypeError(f"not a mechanism change: {type(change).__name__}")
 
 

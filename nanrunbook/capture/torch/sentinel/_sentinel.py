@@ -134,7 +134,9 @@ class Sentinel(Decisions):
     each forward and restored for the replay (the run's are left as they were).
     ``host_random`` false skips numpy's and Python's (numpy's ``get_state``
     costs about 1 ms a forward): a replay that draws from them is then marked
-    inexact.
+    inexact. ``capture_steps``: steps whose bundle is captured (a replay on
+    copies, before the update) even when they go on; found in ``captured``
+    (a proof of recovery needs its incident step's).
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class Sentinel(Decisions):
         generators: Iterable[Any] = (),
         host_random: bool = True,
         replay_memory: ReplayMemory = "auto",
+        capture_steps: Iterable[int] = (),
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
@@ -199,6 +202,8 @@ class Sentinel(Decisions):
             memory=replay_memory,
         )
         self._local = self._local_gradients(model)
+        self.capture_steps = frozenset(capture_steps)
+        self.captured: dict[int, Path] = {}
         self._setup_state(snapshot, telemetry)
         self._install()
 
@@ -396,12 +401,17 @@ class Sentinel(Decisions):
 
     def resumed_from(self, point: RecoveryPoint) -> None:
         """The last known-good state is ``point``, a recovery point the tool
-        verified at the sentinel's last step (a run resumed with
-        ``load_recovery_point``, or one the sentinel just saved)."""
-        if point.step != self.last_step:
+        verified at the sentinel's last step (one it just saved), or, before a
+        fresh sentinel's first step, the point a run resumed from with
+        ``load_recovery_point``: its steps then go on from the point's."""
+        if self._step is not None:
+            raise RuntimeError("resumed_from() between a forward and its optimizer step")
+        fresh = self.last_step == self.facts.start_step and self._pending is None
+        if point.step != self.last_step and not (fresh and point.step > self.last_step):
             raise ValueError(
                 f"point {point.point_id} is step {point.step}, the run is at {self.last_step}"
             )
+        self.last_step = point.step  # a fresh sentinel goes on from the point's step
         self.last_known_good = point.last_known_good
         self.last_known_good_recovery = "verified"
 
