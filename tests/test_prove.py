@@ -117,3 +117,19 @@ def test_a_point_that_does_not_verify_is_rejected(incident: dict[str, Any], tmp_
 def test_a_change_that_is_not_one(text: str) -> None:
     with pytest.raises(EntryError):
         parse_change(text)
+
+
+def test_stated_or_verified_is_provenance_not_a_mechanism(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    from nanrunbook.capture.seal import seal_bundle
+    from nanrunbook.diff import diff_bundles
+
+    stated = tmp_path / "stated"
+    subprocess.run(["cp", "-a", str(incident["bundle"]), str(stated)], check=True)
+    manifest = json.loads((stated / "manifest.json").read_text())
+    assert manifest["binding"]["checkpoint"]["last_known_good_recovery"] == "verified"
+    manifest["binding"]["checkpoint"]["last_known_good_recovery"] = "stated"
+    (stated / "manifest.json").write_text(json.dumps(manifest))
+    seal_bundle(stated, force=True)
+    assert diff_bundles(incident["bundle"], stated).verdict == "REPRODUCED"

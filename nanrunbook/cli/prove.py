@@ -30,41 +30,55 @@ def prove(
     entry: Annotated[
         str,
         typer.Option(
-            "--entry", help="module:function that builds the run (see man 1).", show_default=False
+            "--entry",
+            metavar="MODULE:FUNCTION",
+            help="The function that builds the run's objects (see man 1).",
+            show_default=False,
         ),
     ],
     through: Annotated[
-        int, typer.Option("--through", min=1, help="The incident step.", show_default=False)
-    ],
-    incident: Annotated[
-        Path,
+        int,
         typer.Option(
-            "--incident",
-            parser=non_empty_path,
-            help="The incident step's bundle.",
-            show_default=False,
-        ),
-    ],
-    out: Annotated[
-        Path,
-        typer.Option(
-            "--out",
-            parser=non_empty_path,
-            help="A new directory for the record, telemetry and bundles.",
-            show_default=False,
+            "--through", metavar="STEP", min=1, help="The incident step.", show_default=False
         ),
     ],
     then: Annotated[
-        int, typer.Option("--then", min=0, help="Steps to run after the incident step.")
+        int,
+        typer.Option("--then", metavar="N", min=0, help="Steps to run after the incident step."),
     ] = 10,
     change: Annotated[
         list[str] | None,
         typer.Option(
-            "--change", help="MECHANISM=VALUE: lr-factor=0.5, loss-scale=1024, autocast=off."
+            "--change",
+            metavar="MECHANISM=VALUE",
+            help="lr-factor=0.5, loss-scale=1024 or autocast=off (one).",
+        ),
+    ] = None,
+    incident: Annotated[
+        Path | None,
+        typer.Option(
+            "--incident",
+            metavar="BUNDLE",
+            parser=non_empty_path,
+            help="The incident step's bundle [default: incident/RUN_ID/STEP].",
+            show_default=False,
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            parser=non_empty_path,
+            help="A new directory for the record [default: recovery-STEP].",
+            show_default=False,
         ),
     ] = None,
     max_warnings: Annotated[
-        int, typer.Option("--max-warnings", min=0, help="Warnings allowed after the incident step.")
+        int,
+        typer.Option(
+            "--max-warnings", metavar="N", min=0, help="Warnings allowed after the incident step."
+        ),
     ] = 0,
     format: Annotated[
         CheckFormat, typer.Option("--format", "-f", help="Output format.")
@@ -80,7 +94,7 @@ def prove(
     1 not proven, 3 evidence rejected. Reopening the run stays a person's
     decision: the record names who makes it.
 
-    Example: nanrunbook prove points/step-6 --entry train:build --through 8 --then 4 --incident incident/run/8 --out proof --change lr-factor=0.5
+    Example: nanrunbook prove points/step-6 --entry train:build --through 8
     """
     raise typer.Exit(
         prove_and_emit(
@@ -88,14 +102,28 @@ def prove(
             entry=entry,
             through=through,
             then=then,
-            incident=incident,
-            out=out,
+            incident=incident if incident is not None else _incident_of(path, through),
+            out=out if out is not None else Path(f"recovery-{through}"),
             changes=change or [],
             max_warnings=max_warnings,
             fmt=format.value,
             stream=sys.stdout,
         )
     )
+
+
+def _incident_of(point: Path, through: int) -> Path:
+    """The sentinel's bundle of step ``through`` of the point's run, below
+    ``incident/`` (its default incident directory)."""
+    from nanrunbook import strictjson
+    from nanrunbook.errors import EvidenceRejected
+
+    try:
+        header = strictjson.load_manifest_bytes((point / "manifest.json").read_bytes())["header"]
+        run_id = str(header["run_id"])
+    except (OSError, EvidenceRejected, KeyError, TypeError):
+        run_id = "unknown-run"  # the point is refused before this path is read
+    return Path("incident") / run_id / str(through)
 
 
 def prove_and_emit(
@@ -128,7 +156,7 @@ def prove_and_emit(
         record = prove_recovery(
             path,
             incident,
-            build=load_entry(entry),
+            build=lambda: load_entry(entry)(),  # imported once the evidence is verified
             through=through,
             then=then,
             change=change,
