@@ -77,6 +77,10 @@ CODES: dict[str, str] = {
         "DCP's metadata pickle names a class outside DCP's own metadata records: never run"
     ),
     "STATE_DOCUMENT_INVALID": "a JSON document of the directory is not strict JSON",
+    "STATE_DATA_REFUSED": (
+        "DCP's files hold an object weights-only loading refuses, or not what the metadata"
+        " says: never run"
+    ),
     "STATE_KEYS_DIFFER": "the state to load into and the saved state have different keys",
     "STATE_SHAPE_MISMATCH": "a saved tensor's shape differs from the one it would load into",
     "STATE_DTYPE_MISMATCH": "a saved tensor's dtype differs from the one it would load into",

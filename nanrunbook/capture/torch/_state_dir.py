@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -201,12 +202,48 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading stored non-tensor values ``weights_only``
     (DCP's own unpickles them freely)."""
 
+    refused: list[str]
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+            if not hasattr(self, "refused"):
+                self.refused = []
+            self.refused.append(f"{quote(read_item.dest_index.fqn)}: {_first_line(error)}")
+            raise
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    found = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    return found[:200] or type(error).__name__
+
+
+def _load(template: dict[str, Any], root: Path, planner: _WeightsOnlyPlanner) -> None:
+    """DCP's load through the restricted reader and planner; whatever DCP cannot
+    read (an object weights_only refuses, a file that does not hold what the
+    metadata says) is refused, named, never a traceback."""
+    try:
+        with _single_process_quiet():
+            dcp_load(
+                template,
+                storage_reader=_RestrictedReader(root),
+                planner=planner,
+                no_dist=not _distributed(),
+            )
+    except StateDirRejected:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure
+        found = getattr(planner, "refused", [])
+        message = "; ".join(found[:_SHOWN]) if found else _first_line(error)
+        raise StateDirRejected(
+            [Violation("STATE_DATA_REFUSED", STATE_SUBDIR, f"not loaded: {message}")]
+        ) from None
 
 
 def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -267,13 +304,7 @@ def load_state_dir(
         if differences:
             raise StateDirRejected(differences)
         target = dict(state)
-        with _single_process_quiet():
-            dcp_load(
-                target,
-                storage_reader=_RestrictedReader(root),
-                planner=_WeightsOnlyPlanner(),
-                no_dist=not _distributed(),
-            )
+        _load(target, root, _WeightsOnlyPlanner())
         if isinstance(state, dict):
             state.update(target)  # non-tensor values DCP replaced at the top level
     return manifest, _documents(root, manifest)
@@ -309,13 +340,7 @@ def read_state_dir(
         else:
             template[key] = None
     planner = _WeightsOnlyPlanner(flatten_state_dict=False)
-    with _single_process_quiet():
-        dcp_load(
-            template,
-            storage_reader=_RestrictedReader(root),
-            planner=planner,
-            no_dist=not _distributed(),
-        )
+    _load(template, root, planner)
     loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
     nested: dict[str, Any] = {}
     for key, value in loaded.items():

@@ -85,7 +85,15 @@ def load_entry(entry: str) -> Callable[[], TrainingRun]:
     function = getattr(module, function_name, None)
     if not callable(function):
         raise EntryError(f"--entry: {module_name!r} has no function {function_name!r}")
-    return lambda: TrainingRun.of(function())
+
+    def build() -> TrainingRun:
+        try:
+            built = function()
+        except Exception as error:  # the run's own code: its failure is the entry's
+            raise EntryError(f"--entry {entry} raised {type(error).__name__}: {error}") from None
+        return TrainingRun.of(built)
+
+    return build
 
 
 def parse_change(text: str) -> Change:

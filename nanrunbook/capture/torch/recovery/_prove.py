@@ -164,8 +164,8 @@ def prove_recovery(
     if then < 0:
         raise EntryError(f"--then {then}: a number of steps >= 0")
     description = _describe(change)
-    target.mkdir()
     run = build()
+    target.mkdir()
     restorable = callable(getattr(run.loader, "load_state_dict", None))
     loaded = load_recovery_point(
         root,
