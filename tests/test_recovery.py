@@ -367,3 +367,14 @@ def test_the_sentinel_takes_its_verified_point_as_last_known_good(tmp_path: Path
     assert verification.parts["data_position"] == "cursor"  # the loop gave no loader
     lines = (tmp_path / "incident" / "verified" / "telemetry.jsonl").read_text().splitlines()
     assert all(not json.loads(line)["warnings"] for line in lines[:5])  # verified: no STATED
+
+
+def test_a_restore_that_is_not_bit_for_bit_is_said(
+    reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = Run(4)
+    run.step()  # an optimizer state of its own, which a lost restore would leave
+    monkeypatch.setattr(run.optimizer, "load_state_dict", lambda state: None)
+    loaded = run.load(reference["path"])
+    assert not loaded.restored_exactly and not loaded.digests_match
+    assert set(loaded.restored_digests) == {"model", "optimizer"}

@@ -21,6 +21,7 @@ from nanrunbook.access import file_where
 from nanrunbook.capture._state_manifest import (
     FORMATS,
     MANIFEST_NAME,
+    StateDirManifest,
     StateDirRejected,
     read_document,
     verify_state_dir,
@@ -42,6 +43,7 @@ __all__ = [
     "latest_recovery_point",
     "record_document",
     "verification_document",
+    "verified_manifest",
     "verify_recovery_point",
 ]
 
@@ -81,7 +83,6 @@ class RecoveryVerification:
     parts: Mapping[str, str] | None = None  # part -> its kind ("dcp", "state_dict", ...)
     files: int = 0
     total_bytes: int = 0
-    state_digests: Mapping[str, str] | None = None  # part -> sha256 of its saved state
 
     @property
     def verified(self) -> bool:
@@ -96,7 +97,6 @@ class RecoveryVerification:
             self.point_id,
             self.run_id,
             self.step,
-            dict(self.state_digests or {}),
             (self.parts or {}).get("data_position", "cursor"),
         )
 
@@ -185,11 +185,19 @@ def verify_recovery_point(path: Path | str, *, progress: Any = None) -> Recovery
     manifest: all parts present and saved at one step, DCP's metadata present
     (and naming only DCP's records), the RNG present. Every violation; never
     unpickles; never raises on a bad point (only on a bug)."""
+    return verified_manifest(path, progress=progress)[0]
+
+
+def verified_manifest(
+    path: Path | str, *, progress: Any = None
+) -> tuple[RecoveryVerification, StateDirManifest | None]:
+    """:func:`verify_recovery_point` and the manifest it verified (for a loader
+    that reads the point next without hashing it again)."""
     root = Path(path)
     manifest, found = verify_state_dir(root, kind_format=FORMAT, progress=progress)
     violations = list(found)
     if manifest is None:
-        return RecoveryVerification(str(root), tuple(violations))
+        return RecoveryVerification(str(root), tuple(violations)), None
     header = manifest.header
     header_violations = _header_violations(header)
     violations.extend(header_violations)
@@ -197,7 +205,7 @@ def verify_recovery_point(path: Path | str, *, progress: Any = None) -> Recovery
         failed = {violation.where for violation in found}  # their contents are not read
         violations.extend(_part_violations(root, header, manifest.files, failed))
     parts = header.get("parts") if isinstance(header.get("parts"), dict) else {}
-    return RecoveryVerification(
+    verification = RecoveryVerification(
         path=str(root),
         violations=tuple(violations),
         point_id=_text(header.get("point_id")),
@@ -212,12 +220,8 @@ def verify_recovery_point(path: Path | str, *, progress: Any = None) -> Recovery
         },
         files=len(manifest.files),
         total_bytes=manifest.total_bytes,
-        state_digests={
-            str(name): entry["state_sha256"]
-            for name, entry in (parts or {}).items()
-            if isinstance(entry, dict) and isinstance(entry.get("state_sha256"), str)
-        },
     )
+    return verification, manifest
 
 
 def _text(value: Any) -> str | None:
@@ -227,13 +231,12 @@ def _text(value: Any) -> str | None:
 @dataclass(frozen=True)
 class RecoveryPoint:
     """A recovery point the tool wrote and verified: where, which, at what step,
-    and the digests of its model and optimizer state (over the tensors' bytes)."""
+    and what its data position is."""
 
     path: str
     point_id: str
     run_id: str
     step: int
-    state_digests: Mapping[str, str]  # part -> sha256 of its state
     data_kind: str  # "state_dict" (a loader's or sampler's) or "cursor"
 
     @property
@@ -322,7 +325,7 @@ class RecoveryRecord:
     warnings: tuple[tuple[int, str], ...]  # (step, code), from the incident step on
     before: StepTrend  # the resumed run's own steps before the incident
     after: StepTrend  # the incident step and the ones after it
-    digests_match: bool  # the state after resume is the point's, bit for bit
+    digests_match: bool  # the state after resume is the point's, bit for bit (its digests)
     new_bundle: str | None
     new_decision: str | None
     diff_verdict: str | None

@@ -72,6 +72,7 @@ __all__ = [
     "load_state_dir",
     "read_metadata",
     "read_state_dir",
+    "read_verified_state_dir",
     "verify_state_dir",
     "write_state_dir",
 ]
@@ -323,6 +324,17 @@ def read_state_dir(
     manifest, violations = verify_state_dir(root, kind_format=kind_format)
     if violations or manifest is None:
         raise StateDirRejected(violations)
+    return read_verified_state_dir(root, manifest, into=into)
+
+
+def read_verified_state_dir(
+    path: Path, manifest: StateDirManifest, *, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """:func:`read_state_dir` for a caller that has just verified ``path`` itself
+    (``verify_state_dir``, or a kind's verifier built on it, which returned
+    ``manifest`` without a violation): the files are not hashed a second time.
+    The metadata is still read restricted and every object weights-only."""
+    root = Path(path)
     metadata = read_metadata(root)
     given = _flat(into) if into else {}
     parts = set(into or ())

@@ -9,10 +9,8 @@ go into, and only then restores them: a refused point changes nothing.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,19 +24,25 @@ from nanrunbook.capture.recovery import (
     FORMAT,
     RecoveryPoint,
     RecoveryVerification,
-    verify_recovery_point,
+    verified_manifest,
 )
 from nanrunbook.capture.torch._faithfulness import HostRandom
 from nanrunbook.capture.torch._state_dir import (
     decode_value,
     encode_value,
-    read_state_dir,
+    read_verified_state_dir,
     write_state_dir,
 )
 from nanrunbook.errors import Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 
-__all__ = ["LoadedRecoveryPoint", "load_recovery_point", "save_recovery_point", "state_digest"]
+__all__ = [
+    "LoadedRecoveryPoint",
+    "load_recovery_point",
+    "same_state",
+    "save_recovery_point",
+    "state_digest",
+]
 
 
 def state_digest(state: Mapping[Any, Any]) -> str:
@@ -55,6 +59,27 @@ def state_digest(state: Mapping[Any, Any]) -> str:
         else:
             hasher.update(orjson.dumps(encode_value(value), option=orjson.OPT_SORT_KEYS))
     return hasher.hexdigest()
+
+
+def same_state(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> bool:
+    """Two state dicts hold the same entries, tensors equal bit for bit (dtype,
+    shape and bytes: a NaN equals itself), other values in their exact JSON form."""
+    left, right = dict(_leaves(a, ())), dict(_leaves(b, ()))
+    if left.keys() != right.keys():
+        return False
+    for key, x in left.items():
+        y = right[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+                return False
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            xs, ys = (t.detach().to("cpu").contiguous().reshape(-1) for t in (x, y))
+            if xs.numel() and not torch.equal(xs.view(torch.uint8), ys.view(torch.uint8)):
+                return False
+        elif encode_value(x) != encode_value(y):
+            return False
+    return True
 
 
 def _leaves(value: Any, path: tuple[str, ...]) -> Iterable[tuple[str, Any]]:
@@ -169,37 +194,18 @@ def save_recovery_point(
         "data_position": _data_document(step, data),
         "rng": _rng_document(step, tuple(generators)),
     }
-    # The state's digests are taken while DCP writes it (hashlib and DCP's writes
-    # both release the GIL): the save costs DCP's plus one SHA-256 pass, not two.
-    hashed = {
-        "model": model_state,
-        "optimizer": optimizer_state,
-        **({"extra": dict(extra)} if extra else {}),
-    }
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="recovery-digest") as pool:
-        pending = pool.submit(lambda: {part: state_digest(value) for part, value in hashed.items()})
-        target = Path(path)
-        header_of = functools.partial(_header, step, run_id, identity, documents, pending.result)
-        write_state_dir(
-            target, kind_format=FORMAT, state=state, documents=documents, header=header_of
-        )
-        digests = pending.result()
-    return RecoveryPoint(
-        str(target), identity, run_id, step, digests, documents["data_position"]["kind"]
-    )
+    target = Path(path)
+    header = _header(step, run_id, identity, documents, has_extra=bool(extra))
+    write_state_dir(target, kind_format=FORMAT, state=state, documents=documents, header=header)
+    return RecoveryPoint(str(target), identity, run_id, step, documents["data_position"]["kind"])
 
 
 def _header(
-    step: int,
-    run_id: str,
-    identity: str,
-    documents: Mapping[str, Any],
-    digests_of: Callable[[], Mapping[str, str]],
+    step: int, run_id: str, identity: str, documents: Mapping[str, Any], *, has_extra: bool
 ) -> dict[str, Any]:
-    """The point's manifest header: its facts and each part's files, step and digest."""
-    digests = digests_of()
+    """The point's manifest header: its facts and each part's files and step."""
     parts: dict[str, Any] = {
-        part: {"kind": "dcp", "files": [DCP_METADATA], "step": step, "state_sha256": digests[part]}
+        part: {"kind": "dcp", "files": [DCP_METADATA], "step": step}
         for part in ("model", "optimizer")
     }
     for part, document in documents.items():
@@ -209,8 +215,8 @@ def _header(
             "step": step,
         }
     parts["rng"]["streams"] = sorted(documents["rng"]["streams"])
-    if "extra" in digests:
-        parts["extra"] = {"kind": "dcp", "state_sha256": digests["extra"]}
+    if has_extra:
+        parts["extra"] = {"kind": "dcp", "files": [DCP_METADATA], "step": step}
     return {
         "step": step,
         "run_id": run_id,
@@ -223,14 +229,15 @@ def _header(
 
 @dataclass(frozen=True)
 class LoadedRecoveryPoint:
-    """A point restored into the run's objects: the point, the digests of the
-    model's and optimizer's state after the restore (equal to the point's when
-    the restore is bit for bit), and the loop's cursor when the data position
-    was one (the loop restores it)."""
+    """A point restored into the run's objects: the point, the SHA-256 of the
+    model's, optimizer's (and extra tensors') state as the point holds it,
+    whether the run's state after the restore is that, bit for bit, and the
+    loop's cursor when the data position was one (the loop restores it)."""
 
     point: RecoveryPoint
     verification: RecoveryVerification
-    restored_digests: Mapping[str, str]
+    restored_digests: Mapping[str, str]  # part -> sha256 of its state (empty: not taken)
+    restored_exactly: bool  # the run's state after the restore is the point's, bit for bit
     cursor: Mapping[str, Any] | None = None
     random_states: Mapping[str, Any] = field(default_factory=dict, repr=False)
     generators: tuple[Any, ...] = field(default=(), repr=False)
@@ -243,10 +250,9 @@ class LoadedRecoveryPoint:
 
     @property
     def digests_match(self) -> bool:
-        return all(
-            self.restored_digests.get(part) == digest
-            for part, digest in self.point.state_digests.items()
-        )
+        """The restored state is the point's, bit for bit, and its digests were
+        taken (False when ``check_digests`` was off)."""
+        return bool(self.restored_digests) and self.restored_exactly
 
 
 def _refuse(code: str, where: str, message: str) -> Violation:
@@ -383,18 +389,22 @@ def load_recovery_point(
     extra: Mapping[str, torch.Tensor] | None = None,
     generators: Iterable[Any] = (),
     progress: Any = None,
+    check_digests: bool = True,
 ) -> LoadedRecoveryPoint:
     """Verify the point, then restore every part bit for bit: parameters and
     buffers, optimizer state, scheduler, scaler, the loader's position (a
     loader or sampler with ``load_state_dict``) and the random states, so the
     next batches and the next step are those the run would have had. Raises
     StateDirRejected naming every violation (a part missing, a digest, keys,
-    shapes or dtypes that differ) before anything is changed."""
-    verification = verify_recovery_point(path, progress=progress)
-    if not verification.verified:
+    shapes or dtypes that differ) before anything is changed. ``check_digests``:
+    compare the restored model and optimizer state with the point's, bit for
+    bit, and digest it (``digests_match``, ``restored_digests``: one more
+    SHA-256 pass over the state)."""
+    verification, manifest = verified_manifest(path, progress=progress)
+    if not verification.verified or manifest is None:
         raise verification.rejected()
     gens = tuple(generators)
-    _, saved, documents = read_state_dir(Path(path), kind_format=FORMAT)
+    _, saved, documents = read_verified_state_dir(Path(path), manifest)
     saved_model = saved.get("model", {})
     saved_optimizer = _optimizer_state(saved.get("optimizer", {}))
     violations = [
@@ -425,13 +435,18 @@ def load_recovery_point(
                 tensor.copy_(saved["extra"][name])
     _restore_rng(documents["rng"], gens)  # last: building the objects may have drawn
     point = verification.point()
-    restored = {
-        "model": state_digest(model.state_dict()),
-        "optimizer": state_digest(optimizer.state_dict()),
-    }
-    if extra:
-        restored["extra"] = state_digest(dict(extra))
-    return LoadedRecoveryPoint(point, verification, restored, cursor, documents["rng"], gens)
+    restored: dict[str, str] = {}
+    exact = False
+    if check_digests:
+        pairs = [("model", model.state_dict(), saved_model)]
+        pairs.append(("optimizer", optimizer.state_dict(), saved_optimizer))
+        if extra:
+            pairs.append(("extra", dict(extra), saved["extra"]))
+        # The read state was verified against the manifest; the live one compared
+        # with it bit for bit: one digest stands for both.
+        exact = all(same_state(live, held) for _, live, held in pairs)
+        restored = {part: state_digest(held) for part, _, held in pairs}
+    return LoadedRecoveryPoint(point, verification, restored, exact, cursor, documents["rng"], gens)
 
 
 def _extra_violations(
