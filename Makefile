@@ -55,6 +55,12 @@ bench-warnings: $(VENV)/.test-installed
 bench-bundle-write: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_bundle_write.py $(BENCH_ARGS)
 
+# `make bench-recovery`: a recovery point's save, verify and resume against DCP's own
+# save and load and one SHA-256 stream, same-run ratios (issue 28's budgets).
+.PHONY: bench-recovery
+bench-recovery: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_recovery.py $(BENCH_ARGS)
+
 # `make bench-diff`: time `nanrunbook diff` of two 1 GiB bundles (a few tensors differ)
 # against checking both, same run. BENCH_ARGS="--runs 9" for more.
 bench-diff: $(VENV)/.test-installed

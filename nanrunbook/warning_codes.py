@@ -61,6 +61,10 @@ WARNING_CODES = MappingProxyType(
             "a checkpoint did not verify all five recovery parts together;"
             " the last known-good state stays the previous one"
         ),
+        "RECOVERY_POINT_STATED": (
+            "the loop stated a checkpoint as the last known-good state (checkpointed());"
+            " the tool verified none of its parts"
+        ),
         "TELEMETRY_LINES_LOST": (
             "telemetry lines could not be written (a full disk, say): how many, between"
             " which steps; training went on"

@@ -332,3 +332,22 @@ def _assert_same(back: Any, value: Any) -> None:
         assert math.copysign(1.0, back) == math.copysign(1.0, value) and back == value
     else:
         assert back == value
+
+
+def test_a_hostile_object_in_the_data_files_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    # A forger's point is consistent (the writer hashed what it wrote): only the
+    # weights-only read of each stored object stands between it and a command.
+    marker = tmp_path / "ran"
+    target = tmp_path / "p"
+    state = {"a": torch.ones(2), "b": _RunsACommand(marker)}
+    write_state_dir(target, kind_format=KIND, state=state, documents={}, header={})
+    assert _codes(target) == []  # its metadata names only DCP's records
+    for load in (
+        lambda: load_state_dir(target, kind_format=KIND, state={"a": torch.zeros(2), "b": None}),
+        lambda: _state_dir.read_state_dir(target, kind_format=KIND),
+    ):
+        with pytest.raises(StateDirRejected) as info:
+            load()
+        assert info.value.codes == ("STATE_DATA_REFUSED",)
+        assert "posix.system" in info.value.violations[0].message
+    assert not marker.exists()

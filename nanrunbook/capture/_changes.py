@@ -70,11 +70,22 @@ class AutocastDtype:
 
 @dataclass(frozen=True, slots=True)
 class LearningRate:
-    """Another learning rate: ``rates`` pairs a param group's index (None: every
-    group) with its rate. The ``optimizer`` item."""
+    """Another learning rate, the ``optimizer`` item: every param group's rate
+    times ``factor`` (``prove --change lr-factor=``, a resumed run), or
+    ``rates``, pairs of a param group's index (None: every group) and its new
+    rate (``replay --change lr=``). A capsule replay takes either form."""
 
-    rates: tuple[tuple[int | None, float], ...]
+    factor: float | None = None
+    rates: tuple[tuple[int | None, float], ...] = ()
     item = "optimizer"
+
+    def rate(self, group: int, current: float) -> float | None:
+        """Param group ``group``'s new rate (its rate now ``current``), or None
+        when the change leaves it alone."""
+        if self.factor is not None:
+            return current * self.factor
+        found = [rate for index, rate in self.rates if index is None or index == group]
+        return found[-1] if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +200,12 @@ def _batch(value: str) -> BatchExamples:
 
 def _learning_rate(value: str) -> LearningRate:
     if ":" not in value:
-        return LearningRate(((None, _number(value, "lr")),))
+        return LearningRate(rates=((None, _number(value, "lr")),))
     rates: list[tuple[int | None, float]] = []
     for part in value.split(","):
         group, _, rate = part.partition(":")
         rates.append((_index(group, "lr group"), _number(rate, "lr")))
-    return LearningRate(tuple(rates))
+    return LearningRate(rates=tuple(rates))
 
 
 def parse_change(text: str) -> Change:

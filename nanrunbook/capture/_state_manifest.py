@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from nanrunbook import strictjson
+from nanrunbook.access import file_where
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 
 __all__ = [
@@ -76,6 +77,10 @@ CODES: dict[str, str] = {
         "DCP's metadata pickle names a class outside DCP's own metadata records: never run"
     ),
     "STATE_DOCUMENT_INVALID": "a JSON document of the directory is not strict JSON",
+    "STATE_DATA_REFUSED": (
+        "DCP's files hold an object weights-only loading refuses, or not what the metadata"
+        " says: never run"
+    ),
     "STATE_KEYS_DIFFER": "the state to load into and the saved state have different keys",
     "STATE_SHAPE_MISMATCH": "a saved tensor's shape differs from the one it would load into",
     "STATE_DTYPE_MISMATCH": "a saved tensor's dtype differs from the one it would load into",
@@ -203,7 +208,11 @@ def _parse_manifest(
         value = strictjson.load_manifest_bytes(raw)
     except EvidenceRejected as error:
         return None, [
-            Violation("STATE_MANIFEST_INVALID", where, f"{v.where}: {v.message}")
+            Violation(
+                "STATE_MANIFEST_INVALID",
+                where,
+                v.message if v.where in ("$", where) else f"{v.where}: {v.message}",
+            )
             for v in error.violations
         ]
     found = value.get("format")
@@ -218,7 +227,7 @@ def _parse_manifest(
     violations: list[Violation] = []
     digests: dict[str, FileDigest] = {}
     for name, entry in files.items():
-        shown = quote(name)
+        shown = file_where(name)
         reason = _unsafe_path(name)
         if reason is not None:
             violations.append(Violation("STATE_PATH_UNSAFE", shown, reason))
@@ -269,7 +278,7 @@ def _on_disk(root: Path) -> tuple[dict[str, os.stat_result], list[Violation]]:
         try:
             entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
         except OSError as error:
-            where = quote(prefix.rstrip("/") or ".")
+            where = file_where(prefix.rstrip("/") or ".")
             violations.append(Violation("STATE_FILE_UNREADABLE", where, _reason(error)))
             return
         for entry in entries:
@@ -285,7 +294,7 @@ def _on_disk(root: Path) -> tuple[dict[str, os.stat_result], list[Violation]]:
 
 
 def _digest(root: Path, name: str, progress: Progress | None) -> tuple[str, int] | Violation:
-    where = quote(name) if not re.fullmatch(r"[A-Za-z0-9._/+=@:,-]+", name) else name
+    where = file_where(name)
     try:
         fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
@@ -354,7 +363,7 @@ def verify_state_dir(
         if name not in manifest.files:
             kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "an entry"
             message = f"{kind} the manifest does not list"
-            violations.append(Violation("STATE_FILE_UNLISTED", quote(name), message))
+            violations.append(Violation("STATE_FILE_UNLISTED", file_where(name), message))
     return manifest, tuple(violations)
 
 
@@ -381,7 +390,7 @@ def _check_file(
     on_disk: dict[str, os.stat_result],
     progress: Progress | None,
 ) -> list[Violation]:
-    where = quote(name)
+    where = file_where(name)
     parts = name.split("/")
     for depth in range(1, len(parts)):
         folder = root.joinpath(*parts[:depth])
@@ -423,7 +432,7 @@ def read_document(root: Path, name: str) -> Any:
     except EvidenceRejected as error:
         first = error.violations[0]
         raise StateDirRejected(
-            [Violation("STATE_DOCUMENT_INVALID", where, f"{first.where}: {first.message}")]
+            [Violation("STATE_DOCUMENT_INVALID", where, first.message)]
         ) from None
     except OSError as error:
         raise StateDirRejected(

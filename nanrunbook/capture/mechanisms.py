@@ -22,13 +22,15 @@ The changes:
   every loss function of ``torch.nn.functional`` that ``compute_loss`` calls
   with the binding's reduction (``objective``).
 * :class:`OtherBatch` -- another batch (``batch``).
+* :class:`LearningRate` -- every group's learning rate times a factor
+  (``optimizer``), for a resumed run (``prove_recovery``); ``replay_changed``
+  refuses it; a capsule replay takes it, or per-group rates.
 
 Replays of an incident capsule (``Capsule.replay``, ``nanrunbook replay --change``)
 take these and more, each named on the command line by :func:`parse_change`
 (``MECHANISMS`` lists the forms):
 
 * :class:`AutocastDtype` -- autocast in another dtype (``precision``).
-* :class:`LearningRate` -- another learning rate, per param group (``optimizer``).
 * :class:`AdamEps` -- another ``eps`` (``optimizer``).
 * :class:`ClipMaxNorm` -- clipping at another max norm, or none (``optimizer``).
 * :class:`BatchExamples` -- examples of the step dropped or replaced (``batch``).

@@ -26,7 +26,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -70,6 +71,8 @@ __all__ = [
     "encode_value",
     "load_state_dir",
     "read_metadata",
+    "read_state_dir",
+    "read_verified_state_dir",
     "verify_state_dir",
     "write_state_dir",
 ]
@@ -97,17 +100,23 @@ def write_state_dir(
     kind_format: str,
     state: Mapping[str, Any] | None,
     documents: Mapping[str, Any],
-    header: Mapping[str, Any],
+    header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
 ) -> StateDirManifest:
     """Write ``state`` through DCP and each document as ``<name>.json``, then the
     manifest, atomically at ``path`` (which must not exist: FileExistsError).
-    A failure or a kill leaves nothing at ``path``."""
+    A failure or a kill leaves nothing at ``path``. ``header`` may be a callable,
+    called once the files are written, before the manifest: facts computed
+    while DCP writes (a digest of the state in memory, say)."""
     target = Path(path)
     for name in documents:
         if not _DOCUMENT_NAME.fullmatch(name):
             raise ValueError(f"document name {name!r} is not lower-case letters, digits and _")
     if target.exists() or target.is_symlink():
         raise FileExistsError(f"{target} exists: a state directory is never overwritten")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"{target.parent} is not a directory: make the one the state goes in"
+        )
     with atomic_directory(target) as temp:
         if state is not None:
             writer = FileSystemWriter(temp / STATE_SUBDIR, sync_files=True)
@@ -118,7 +127,8 @@ def write_state_dir(
         files = _digests(temp)
         if state is not None:
             fsync_directory(temp / STATE_SUBDIR)
-        manifest = StateDirManifest(kind_format, files, dict(header))
+        facts = header() if callable(header) else header
+        manifest = StateDirManifest(kind_format, files, dict(facts))
         write_synced(temp / MANIFEST_NAME, [manifest_document(manifest)])
     return manifest
 
@@ -193,12 +203,48 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading stored non-tensor values ``weights_only``
     (DCP's own unpickles them freely)."""
 
+    refused: list[str]
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+            if not hasattr(self, "refused"):
+                self.refused = []
+            self.refused.append(f"{quote(read_item.dest_index.fqn)}: {_first_line(error)}")
+            raise
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    found = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    return found[:200] or type(error).__name__
+
+
+def _load(template: dict[str, Any], root: Path, planner: _WeightsOnlyPlanner) -> None:
+    """DCP's load through the restricted reader and planner; whatever DCP cannot
+    read (an object weights_only refuses, a file that does not hold what the
+    metadata says) is refused, named, never a traceback."""
+    try:
+        with _single_process_quiet():
+            dcp_load(
+                template,
+                storage_reader=_RestrictedReader(root),
+                planner=planner,
+                no_dist=not _distributed(),
+            )
+    except StateDirRejected:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure
+        found = getattr(planner, "refused", [])
+        message = "; ".join(found[:_SHOWN]) if found else _first_line(error)
+        raise StateDirRejected(
+            [Violation("STATE_DATA_REFUSED", STATE_SUBDIR, f"not loaded: {message}")]
+        ) from None
 
 
 def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,8 +254,10 @@ def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _differences(state: Mapping[str, Any], metadata: Metadata) -> list[Violation]:
     """Keys, shapes and dtypes of ``state`` against the saved state's."""
-    flat = _flat(state)
-    saved = metadata.state_dict_metadata
+    return _differences_flat(_flat(state), metadata.state_dict_metadata)
+
+
+def _differences_flat(flat: Mapping[str, Any], saved: Mapping[str, Any]) -> list[Violation]:
     violations: list[Violation] = []
     missing = sorted(set(flat) - set(saved))
     extra = sorted(set(saved) - set(flat))
@@ -257,21 +305,77 @@ def load_state_dir(
         if differences:
             raise StateDirRejected(differences)
         target = dict(state)
-        with _single_process_quiet():
-            dcp_load(
-                target,
-                storage_reader=_RestrictedReader(root),
-                planner=_WeightsOnlyPlanner(),
-                no_dist=not _distributed(),
-            )
+        _load(target, root, _WeightsOnlyPlanner())
         if isinstance(state, dict):
             state.update(target)  # non-tensor values DCP replaced at the top level
-    documents = {
+    return manifest, _documents(root, manifest)
+
+
+def read_state_dir(
+    path: Path, *, kind_format: str, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """Verify the directory, then read all of its DCP state as saved: the
+    manifest, the state (nested as saved; dict keys come back as strings, as
+    DCP stores them) and the documents. ``into``: top-level parts to load in
+    place (a model's ``state_dict()``: its tensors are copied into, no second
+    copy); their keys, shapes and dtypes must match the saved part's, every
+    difference refused before anything is read (StateDirRejected)."""
+    root = Path(path)
+    manifest, violations = verify_state_dir(root, kind_format=kind_format)
+    if violations or manifest is None:
+        raise StateDirRejected(violations)
+    return read_verified_state_dir(root, manifest, into=into)
+
+
+def read_verified_state_dir(
+    path: Path, manifest: StateDirManifest, *, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """:func:`read_state_dir` for a caller that has just verified ``path`` itself
+    (``verify_state_dir``, or a kind's verifier built on it, which returned
+    ``manifest`` without a violation): the files are not hashed a second time.
+    The metadata is still read restricted and every object weights-only."""
+    root = Path(path)
+    metadata = read_metadata(root)
+    given = _flat(into) if into else {}
+    parts = set(into or ())
+    saved = metadata.state_dict_metadata
+    inside = {k: v for k, v in saved.items() if _top(metadata, k) in parts}
+    differences = _differences_flat(given, inside)
+    if differences:
+        raise StateDirRejected(differences)
+    template: dict[str, Any] = {}
+    for key, stored in saved.items():
+        if key in given:
+            template[key] = given[key]
+        elif isinstance(stored, TensorStorageMetadata):
+            template[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+        else:
+            template[key] = None
+    planner = _WeightsOnlyPlanner(flatten_state_dict=False)
+    _load(template, root, planner)
+    loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
+    nested: dict[str, Any] = {}
+    for key, value in loaded.items():
+        set_element(nested, _path(metadata, key), value)
+    return manifest, nested, _documents(root, manifest)
+
+
+def _top(metadata: Metadata, key: str) -> str:
+    return str(_path(metadata, key)[0])
+
+
+def _path(metadata: Metadata, key: str) -> tuple[Any, ...]:
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    found = mappings.get(key)
+    return tuple(found) if isinstance(found, tuple | list) and found else (key,)
+
+
+def _documents(root: Path, manifest: StateDirManifest) -> dict[str, Any]:
+    return {
         name.removesuffix(".json"): read_document(root, name.removesuffix(".json"))
         for name in manifest.files
         if "/" not in name and name.endswith(".json")
     }
-    return manifest, documents
 
 
 # The tagged JSON form of non-tensor state: exact, and read back with no pickle.

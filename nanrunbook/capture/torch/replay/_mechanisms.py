@@ -115,6 +115,11 @@ def _plan(
         if _same_batch(batch, change.batch):
             raise ValueError("the other batch is bit for bit the batch: nothing would change")
         return _Plan(change.batch, compute_loss, scaler, binding, "batch substituted")
+    if isinstance(change, LearningRate):
+        raise ValueError(
+            "a learning-rate change applies to a resumed run (prove_recovery), not to a replay"
+            " of one step on copies"
+        )
     raise TypeError(f"not a mechanism change: {type(change).__name__}")
 
 
@@ -542,12 +547,18 @@ def _hyperparameters(change: LearningRate | AdamEps, optimizer: Any) -> Iterator
     groups = optimizer.param_groups
     key = "lr" if isinstance(change, LearningRate) else "eps"
     if isinstance(change, LearningRate):
-        wanted: list[tuple[int, float]] = []
-        for group, rate in change.rates:
+        for group, _ in change.rates:
             if group is not None and not 0 <= group < len(groups):
                 raise ValueError(f"lr: the optimizer has param groups 0 to {len(groups) - 1}")
-            targets = range(len(groups)) if group is None else [group]
-            wanted += [(index, rate) for index in targets]
+        wanted: list[tuple[int, float]] = []
+        for index, group in enumerate(groups):
+            current = group.get("lr")
+            if isinstance(current, float | int) and not isinstance(current, bool):
+                rate = change.rate(index, float(current))
+            else:
+                rate = change.rate(index, math.nan) if change.factor is None else math.nan
+            if rate is not None:
+                wanted.append((index, rate))
     else:
         wanted = [(index, change.eps) for index in range(len(groups))]
     saved = [(index, groups[index].get(key)) for index, _ in wanted]

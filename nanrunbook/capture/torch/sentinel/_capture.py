@@ -166,6 +166,7 @@ def capture_step(
     *,
     peer: bool = False,
     policy: str = "hold",
+    recovery: Mapping[str, Any] | None = None,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle (as ``rank`` of the job, into the
@@ -173,7 +174,9 @@ def capture_step(
     of the topology item, the voting group's rank and size), check it. Never
     raises: a capture that fails is reported, and the hold stands without it.
     ``peer``: the step holds because another rank's values went non-finite;
-    ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded."""
+    ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
+    ``recovery``: detail fields for the checkpoint item (whether the last
+    known-good state was verified by the tool or stated by the loop)."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -207,6 +210,8 @@ def capture_step(
         if topology is not None:
             derived["topology"] = {**topology_binding(), **topology}
         given = facts.binding(record.number)
+        if recovery:
+            given["checkpoint"] = {**given["checkpoint"], **recovery}
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)

@@ -64,6 +64,9 @@ class Decisions:
     ranks: Ranks
     incident_dir: Path
     last_known_good: dict[str, Any]
+    last_known_good_recovery: str  # "verified" (a point the tool verified) or "stated"
+    capture_steps: frozenset[int]  # steps whose bundle is captured whatever the verdict
+    captured: dict[int, Path]  # their bundles
     last_step: int
     _params: list[Any]
     _local: LocalGradients | None
@@ -136,7 +139,28 @@ class Decisions:
             return self._update_incident(previous, "", step, agreed, own=not update_ok)
         if previous is not None:
             self._finish(previous)
+        if outcome.kind == "healthy" and step.number in self.capture_steps:
+            self._capture_healthy(step)
         return self._apply(step, outcome, agreed)
+
+    def _capture_healthy(self, step: StepRecord) -> None:
+        """The bundle of a step asked for (``capture_steps``) that goes on: its
+        replay on copies, before the update (a proof of recovery needs the
+        incident step's bundle whatever its verdict)."""
+        captured = capture_step(
+            self.objects,
+            self.facts,
+            step,
+            self.last_known_good,
+            self.incident_dir,
+            self.ranks.member,
+            None,
+            self._topology(),
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
+        )
+        step.buffers.restore()  # whatever the replay's compute_loss touched
+        if captured.bundle is not None:
+            self.captured[step.number] = captured.bundle
 
     def _fail(
         self,
@@ -425,6 +449,7 @@ class Decisions:
             self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
             policy="rerun" if rerun else "hold",
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
