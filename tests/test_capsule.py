@@ -402,3 +402,23 @@ def test_a_bundle_that_is_not_the_capsules_own_is_refused(incident: Path, tmp_pa
     code = "CAPSULE_BUNDLE_DIFFERS"
     assert f"violation={code}" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_captured_step_that_goes_on_leaves_no_capsule(tmp_path: Path) -> None:
+    """capture_steps= captures a bundle of a step that is not held: its real state
+    is not a held pre-step state, so no capsule claims to replay it."""
+    from sentinel_support import facts, mse, quiet_thresholds, regression_batch
+
+    from nanrunbook.capture.torch import Sentinel
+
+    built = build_regressor()
+    model, optimizer = built["model"], built["optimizer"]
+    sentinel = Sentinel(model, optimizer, mse, capture_steps=[2], thresholds=quiet_thresholds(),
+                        **facts("captured", tmp_path))  # fmt: skip
+    for i in (1, 2, 3):
+        optimizer.zero_grad()
+        sentinel.forward(regression_batch(i)).backward()
+        optimizer.step()
+    sentinel.close()
+    bundle = sentinel.captured[2]
+    assert (bundle / "manifest.json").is_file() and not (bundle / "capsule").exists()

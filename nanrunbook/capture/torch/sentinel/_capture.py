@@ -167,6 +167,7 @@ def capture_step(
     peer: bool = False,
     policy: str = "hold",
     recovery: Mapping[str, Any] | None = None,
+    capsule: bool = True,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle (as ``rank`` of the job, into the
@@ -176,7 +177,9 @@ def capture_step(
     ``peer``: the step holds because another rank's values went non-finite;
     ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
     ``recovery``: detail fields for the checkpoint item (whether the last
-    known-good state was verified by the tool or stated by the loop)."""
+    known-good state was verified by the tool or stated by the loop).
+    ``capsule``: write the held step's capsule into its bundle (a hold's real
+    state is its pre-step state; a step that goes on is not held)."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -233,6 +236,8 @@ def capture_step(
         policy=policy,
     )
     log.error("step %d: %s", record.number, reproduced.line())
+    if not capsule:
+        return Captured(target, report, None, tuple(notes), reproduced)
     held = HeldStep(
         model=objects.model,
         optimizer=objects.optimizer,
@@ -253,8 +258,8 @@ def capture_step(
         reproduced=reproduced,
         bundle_evidence_id=report.manifest.evidence_content_id,
     )
-    capsule, capsule_error = write_held_capsule(target, held)
-    return Captured(target, report, None, tuple(notes), reproduced, capsule, capsule_error)
+    written, capsule_error = write_held_capsule(target, held)
+    return Captured(target, report, None, tuple(notes), reproduced, written, capsule_error)
 
 
 def held_line(step: int, target: Path, report: Report, *, peer: bool = False) -> str:

@@ -157,6 +157,7 @@ class Decisions:
             None,
             self._topology(),
             recovery={"last_known_good_recovery": self.last_known_good_recovery},
+            capsule=False,  # the step goes on: no held state to keep
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         if captured.bundle is not None:
