@@ -422,3 +422,13 @@ def test_a_captured_step_that_goes_on_leaves_no_capsule(tmp_path: Path) -> None:
     sentinel.close()
     bundle = sentinel.captured[2]
     assert (bundle / "manifest.json").is_file() and not (bundle / "capsule").exists()
+
+
+def test_a_capsule_that_travelled_alone_still_replays(incident: Path, tmp_path: Path) -> None:
+    alone = tmp_path / "mailed" / "capsule"
+    shutil.copytree(incident / "capsule", alone)
+    result = cli(str(alone), "--entry", "capsule_runs:build_regressor",
+                 "--change", "batch=drop:10", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "no incident bundle beside the capsule" in result.output
+    assert "ONE_MECHANISM_CHANGED batch: FIXED" in result.output
