@@ -23,6 +23,7 @@ from nanrunbook.capture.telemetry import (
     EarlyWarnings,
     TelemetryFile,
     Thresholds,
+    alert,
     divergence_alerts,
     finite_or_none,
     headroom_bits,
@@ -57,12 +58,16 @@ class Decisions:
     scaler: Any
     loss_scale: float | None
     policy: str
+    transient: str
     thresholds: Thresholds
     facts: LoopFacts
     objects: StepObjects
     ranks: Ranks
     incident_dir: Path
     last_known_good: dict[str, Any]
+    last_known_good_recovery: str  # "verified" (a point the tool verified) or "stated"
+    capture_steps: frozenset[int]  # steps whose bundle is captured whatever the verdict
+    captured: dict[int, Path]  # their bundles
     last_step: int
     _params: list[Any]
     _local: LocalGradients | None
@@ -138,7 +143,29 @@ class Decisions:
             return self._update_incident(previous, "", step, agreed, own=not update_ok)
         if previous is not None:
             self._finish(previous)
+        if outcome.kind == "healthy" and step.number in self.capture_steps:
+            self._capture_healthy(step)
         return self._apply(step, outcome, agreed)
+
+    def _capture_healthy(self, step: StepRecord) -> None:
+        """The bundle of a step asked for (``capture_steps``) that goes on: its
+        replay on copies, before the update (a proof of recovery needs the
+        incident step's bundle whatever its verdict)."""
+        captured = capture_step(
+            self.objects,
+            self.facts,
+            step,
+            self.last_known_good,
+            self.incident_dir,
+            self.ranks.member,
+            None,
+            self._topology(),
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
+            capsule=False,  # the step goes on: no held state to keep
+        )
+        step.buffers.restore()  # whatever the replay's compute_loss touched
+        if captured.bundle is not None:
+            self.captured[step.number] = captured.bundle
 
     def _fail(
         self,
@@ -395,7 +422,10 @@ class Decisions:
         if self.policy == "skip" and outcome.kind == "incident" and not self._may_skip(0):
             reason += f"; {skips} consecutive skipped steps"
         stage = outcome.stage if mine else None
-        raise self._hold(step, reason, stage, agreed.attempt)
+        hold = self._hold(step, reason, stage, agreed.attempt)
+        if hold is None:  # not reproduced, and the policy re-runs: skipped, recorded
+            return STOP
+        raise hold
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
@@ -410,12 +440,15 @@ class Decisions:
         stage: str | None,
         attempt: int = 0,
         skipped: StepRecord | None = None,
-    ) -> SentinelHold:
+    ) -> SentinelHold | None:
         """Capture the step's bundle, write its line (and the line of ``skipped``,
         the step run on it), then exchange the ranks' verdicts (after the lines:
-        a hold whose exchange fails still left them); the exception to raise."""
+        a hold whose exchange fails still left them); the exception to raise.
+        None under ``transient="rerun"`` (one process) when the replay did not
+        reproduce the live step: the step is skipped, its evidence kept."""
         self._held = True
         several = self.ranks.several
+        rerun = self.transient == "rerun" and not several  # one process: no second vote
         captured = capture_step(
             self.objects,
             self.facts,
@@ -426,12 +459,19 @@ class Decisions:
             attempt if several else None,
             self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
+            policy="rerun" if rerun else "hold",
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
-        self._finish(step, held=True, bundle=captured.bundle)
+        reproduced = captured.reproduced
+        if reproduced is not None and not reproduced.reproduced and rerun:
+            self._not_reproduced(step, captured, reproduced, skipped)
+            return None
+        verdict = reproduced.verdict if reproduced is not None else None
+        self._finish(step, held=True, bundle=captured.bundle, reproduced=verdict)
         if skipped is not None:
             self._finish(skipped, skipped=True)
         origin = self.ranks.origin(
@@ -446,7 +486,26 @@ class Decisions:
             last_known_good=self.last_known_good,
             capture_error=captured.error,
             origin_ranks=origin if several else None,
+            reproduced=reproduced,
+            capsule=captured.capsule,
+            capsule_error=captured.capsule_error,
         )
+
+    def _not_reproduced(
+        self, step: StepRecord, captured: Any, reproduced: Any, skipped: StepRecord | None
+    ) -> None:
+        """The re-run (the replay from the same state and random state) came out
+        finite where the live step did not: a transient fault. The step stays
+        skipped (its update was never applied), its bundle and capsule kept."""
+        self._held = False
+        message = (
+            f"step {step.number} skipped, not held: {reproduced.line()}; bundle {captured.bundle}"
+        )
+        log.warning("%s", message)
+        step.warnings.append(alert("STEP_NOT_REPRODUCED", message))
+        self._finish(step, skipped=True, bundle=captured.bundle, reproduced=reproduced.verdict)
+        if skipped is not None:
+            self._finish(skipped, skipped=True)
 
     def _topology(self) -> dict[str, Any] | None:
         """The bundle's topology: the job's rank and size, with the voting group's."""
@@ -541,7 +600,10 @@ class Decisions:
                 self._finish(current, skipped=True)
             return STOP
         reason += "; rolled back to the pre-step snapshot"
-        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        hold = self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        if hold is None:
+            return STOP
+        raise hold
 
     def _contaminated(
         self, previous: StepRecord, current: StepRecord | None, reason: str, attempt: int
@@ -561,6 +623,8 @@ class Decisions:
             contaminated=True,
             capture_error="no pre-step snapshot to replay from (Sentinel(snapshot=True) keeps one)",
             origin_ranks=origin if self.ranks.several else None,
+            capsule_error="the real state holds the non-finite update (no snapshot): no capsule"
+            " is written, nothing can replay the step bit for bit",
         )
 
     # ------------------------------------------------------------- the line
@@ -572,13 +636,14 @@ class Decisions:
         skipped: bool = False,
         held: bool = False,
         bundle: Path | None = None,
+        reproduced: str | None = None,
     ) -> None:
         warnings = [*self._carry, *step.warnings]
         self._carry = []
-        for alert in warnings:
-            if alert.code not in self._logged_codes:  # a streak is logged once, when it starts
-                log.warning("step %d: %s: %s", step.number, alert.code, alert.message)
-        self._logged_codes = {alert.code for alert in warnings}
+        for warning in warnings:
+            if warning.code not in self._logged_codes:  # a streak is logged once, when it starts
+                log.warning("step %d: %s: %s", step.number, warning.code, warning.message)
+        self._logged_codes = {warning.code for warning in warnings}
         if self._telemetry is None:
             return
         grad = step.grads.telemetry(self._grad_dtype)
@@ -603,6 +668,7 @@ class Decisions:
             grad_headroom_from=step.grads.headroom_from(grad),
             weight_norm=step.weight_norm,
             output=step.output,
+            reproduced=reproduced,
         )
         self._telemetry.append(record)
 
