@@ -123,6 +123,7 @@ METADATA_GLOBALS = frozenset(
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),  # Python 3.13 names its module so
         ("collections", "OrderedDict"),
         *(("torch", name) for name in _TORCH_CONSTANTS),
     }
