@@ -9,6 +9,7 @@ replay through the names below, never through this package's private modules.
 
 from nanrunbook.capture.torch.replay._binding import (
     add_weight,
+    batch_binding,
     cuda_devices,
     heaviest,
     model_binding,
@@ -17,6 +18,7 @@ from nanrunbook.capture.torch.replay._binding import (
 )
 from nanrunbook.capture.torch.replay._recording import (
     ExtremesSampler,
+    ForwardCapture,
     OutputExtremes,
     leaf,
     listening,
@@ -47,6 +49,7 @@ __all__ = [
     "Autocast",
     "Clipping",
     "ExtremesSampler",
+    "ForwardCapture",
     "MicroBatch",
     "OutputExtremes",
     "Replayed",
@@ -54,6 +57,7 @@ __all__ = [
     "Scaling",
     "StepRecipe",
     "add_weight",
+    "batch_binding",
     "bind",
     "cuda_devices",
     "heaviest",
