@@ -64,6 +64,12 @@ bench-diff: $(VENV)/.test-installed
 bench-set: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_set.py $(BENCH_ARGS)
 
+# `make bench-scale`: `check` of incident sets and `merge` of per-rank reports of 8, 128,
+# 1,024 and 16,384 small ranks (generated once in .bench-cache/): time per rank, peak RSS.
+.PHONY: bench-scale
+bench-scale: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_scale.py $(BENCH_ARGS)
+
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.
 fuzz: $(VENV)/.test-installed
