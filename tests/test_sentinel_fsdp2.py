@@ -22,11 +22,18 @@ def run(tmp: Path, world: int, case: ShardedCase) -> list[dict[str, Any]]:
     return spawn(sharded_worker, tmp, world, case, deadline=240.0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("world", "micro", "bf16"),
+    [(2, 1, False), (4, 1, False), (2, 2, True)],
+    ids=["2-ranks", "4-ranks", "2-ranks-accumulating-bf16"],
+)
 def test_a_nan_in_rank_1s_data_holds_every_rank_with_origin_rank_1(
-    world: int, tmp_path: Path
+    world: int, micro: int, bf16: bool, tmp_path: Path
 ) -> None:
-    results = run(tmp_path, world, ShardedCase("fsdp-nan", scenario="nan-rank1"))
+    """The third: two micro-batches a step (the first without gradient sync, the
+    NaN in it) under bfloat16 MixedPrecisionPolicy."""
+    case = ShardedCase("fsdp-nan", scenario="nan-rank1", micro=micro, bf16=bf16)
+    results = run(tmp_path, world, case)
     assert {r["held"] for r in results} == {3}, [r["reason"] for r in results]
     assert all(r["capture_error"] is None for r in results), [r["capture_error"] for r in results]
     assert all(r["finite"] and r["untouched"] for r in results), [r["changed"] for r in results]
@@ -50,6 +57,14 @@ def test_a_nan_in_rank_1s_data_holds_every_rank_with_origin_rank_1(
     probe = next(t["probe"] for t in backward["tensors"] if t["name"].startswith("grad/0.weight"))
     assert "Shard(dim=0)" in probe and "global shape [32, 8]" in probe
     assert backward["tensors"][0]["shape"] == [32 // world, 8]
+    inputs = [t["name"] for t in manifest["stages"][0]["tensors"]]
+    assert inputs == (
+        ["batch/x", "batch/y"]
+        if micro == 1
+        else ["batch/mb0/x", "batch/mb0/y", "batch/mb1/x", "batch/mb1/y"]
+    )
+    precision = report.manifest.binding.details["precision"]
+    assert precision["compute_dtype"] == ("BF16" if bf16 else "F32")
     topology = report.manifest.binding.details["topology"]
     assert (topology["rank"], topology["world_size"], topology["sharding"]) == (0, world, "fsdp2")
 
