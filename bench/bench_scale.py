@@ -99,11 +99,19 @@ def _member(target: Path, rank: int, world_size: int) -> None:
 
 
 def ensure(cache: Path, world_size: int) -> tuple[Path, Path]:
-    """The cached set and reports directory for ``world_size`` ranks."""
+    """The cached set and reports directory for ``world_size`` ranks, generated in
+    a process of its own: a child's peak RSS counts its parent's at the fork (Linux
+    keeps it across exec), and the generation parses the set's whole report."""
+    base = cache / f"scale-{world_size}-v{LAYOUT_VERSION}"
+    if not (base / "complete").is_file():
+        here = [sys.executable, __file__, "--generate", str(world_size), "--cache", str(cache)]
+        subprocess.run(here, env=tree_env(ROOT), check=True)
+    return base / "set", base / "reports"
+
+
+def generate(cache: Path, world_size: int) -> None:
     base = cache / f"scale-{world_size}-v{LAYOUT_VERSION}"
     incident, reports = base / "set", base / "reports"
-    if (base / "complete").is_file():
-        return incident, reports
     print(f"generating {base} (once) ...", flush=True)
     shutil.rmtree(base, ignore_errors=True)
     incident.mkdir(parents=True)
@@ -120,7 +128,6 @@ def ensure(cache: Path, world_size: int) -> tuple[Path, Path]:
         text = json.dumps(member["report"], indent=2) + "\n"
         (reports / f"{member['name']}.json").write_text(text)
     (base / "complete").write_text("")
-    return incident, reports
 
 
 def main() -> None:
@@ -128,7 +135,11 @@ def main() -> None:
     parser.add_argument("--ranks", default="8,128,1024,16384")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--cache", type=Path, default=ROOT / ".bench-cache")
+    parser.add_argument("--generate", type=int, help=argparse.SUPPRESS)  # ensure()'s child
     args = parser.parse_args()
+    if args.generate is not None:
+        generate(args.cache, args.generate)
+        return
     sizes = [int(n) for n in args.ranks.split(",")]
     env = tree_env(ROOT)
     program = nanrunbook_argv()

@@ -12,7 +12,7 @@ import pytest
 from setkit import make_set
 from test_incident_set import CASES, _member_reports, build, kv
 
-from nanrunbook import merge_reports
+from nanrunbook import check_incident_set, merge_reports
 from nanrunbook.cli import app
 from nanrunbook.output.json import JsonRenderer
 from nanrunbook.output.text import TextRenderer
@@ -66,3 +66,19 @@ def test_the_merge_command_answers_kv_and_json_as_before(tmp_path: Path) -> None
     out = io.StringIO()
     JsonRenderer().incident_set(merge_reports(reports), out)
     assert done.exit_code == 1 and done.stdout == out.getvalue()
+
+
+def test_a_merge_of_merged_reports_answers_as_one_merge(tmp_path: Path) -> None:
+    """Two levels, as a job of many racks would merge: each rack's reports merged
+    into a set report (json), then the racks' set reports merged."""
+    root = make_set(tmp_path / "set", 8, holds={5: "forward", 6: "backward"})
+    reports = _member_reports(root, tmp_path / "reports")
+    racks = []
+    for index, part in enumerate((reports[:3], reports[3:])):
+        out = io.StringIO()
+        JsonRenderer().incident_set(merge_reports(part), out)
+        racks.append(tmp_path / f"rack-{index}.json")
+        racks[-1].write_text(out.getvalue())
+    two_levels = merge_reports(racks, keep_reports=False)
+    assert kv(two_levels) == kv(merge_reports(reports)) == kv(check_incident_set(root))
+    assert two_levels.origin_ranks == (5,)
