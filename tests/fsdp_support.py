@@ -163,6 +163,24 @@ def _run(
     return result, before
 
 
+def _scaler_refusal(world: int, tmp: Path, case: ShardedCase) -> str | None:
+    """The sentinel's error for a GradScaler under FSDP2 (None: accepted)."""
+    model = _model(world, case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        sentinel = Sentinel(
+            model,
+            optimizer,
+            _loss,
+            scaler=torch.amp.GradScaler("cpu"),
+            **facts(f"{case.run_id}-scaler", tmp),
+        )
+    except ValueError as error:
+        return str(error)
+    sentinel.close()
+    return None
+
+
 def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     """One rank of ``case``: with the sentinel, and for ``healthy`` the same loop
     without it first (its final local state is ``plain_state``)."""
@@ -174,10 +192,13 @@ def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     )
     try:
         plain = None
+        refused = None
         if case.scenario == "healthy":
             plain, _ = _run(rank, world, Path(tmp), case, watched=False)
+            refused = _scaler_refusal(world, Path(tmp), case)
         result, _ = _run(rank, world, Path(tmp), case, watched=True)
         result["plain_state"] = plain["state"] if plain is not None else None
+        result["scaler_refused"] = refused
         gc.collect()
     finally:
         dist.destroy_process_group()

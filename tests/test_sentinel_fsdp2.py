@@ -89,3 +89,5 @@ def test_a_healthy_run_writes_no_set_and_trains_bit_for_bit_as_without_it(
     assert all(r["norm_type"] == "DTensor" for r in results)
     assert results[0]["state"] != results[1]["state"]  # each rank holds its own shards
     assert not list((tmp_path / "incident" / "fsdp-healthy").glob("*/rank-*"))
+    # A GradScaler is refused under FSDP2, with the reason.
+    assert all(r["scaler_refused"].startswith("a GradScaler under FSDP2") for r in results)
