@@ -7,13 +7,14 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from sentinel_support import facts, regression_batch
+from sentinel_support import HostSyncs, facts, regression_batch
 from torch import nn
 
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
@@ -119,24 +120,30 @@ def _run(
     hold: SentinelHold | None = None
     norm_type = ""
     steps = 0
+    syncs = HostSyncs((optimizer,))
     for i in range(1, case.steps + 1):
         before[i] = local_state(model, optimizer)
         steps = i
+        # From the second step on (the first warms up): host reads, as the tests count them.
+        counting: AbstractContextManager[Any] = (
+            syncs if i > 1 and case.scenario == "healthy" else nullcontext()
+        )
         try:
-            optimizer.zero_grad()
-            for m in range(case.micro):
-                model.set_requires_gradient_sync(m == case.micro - 1)  # type: ignore[operator]
-                loss = forward(_batch(rank, i, m, case)) / case.micro
-                loss.backward()
-            if case.clip is not None:
-                clip = (
-                    sentinel.clip_grad_norm_
-                    if sentinel is not None
-                    else torch.nn.utils.clip_grad_norm_
-                )
-                norm_type = type(clip(model.parameters(), case.clip)).__name__
-            optimizer.step()
-            scheduler.step()
+            with counting:
+                optimizer.zero_grad()
+                for m in range(case.micro):
+                    model.set_requires_gradient_sync(m == case.micro - 1)  # type: ignore[operator]
+                    loss = forward(_batch(rank, i, m, case)) / case.micro
+                    loss.backward()
+                if case.clip is not None:
+                    clip = (
+                        sentinel.clip_grad_norm_
+                        if sentinel is not None
+                        else torch.nn.utils.clip_grad_norm_
+                    )
+                    norm_type = type(clip(model.parameters(), case.clip)).__name__
+                optimizer.step()
+                scheduler.step()
         except SentinelHold as held:
             hold = held
             break
@@ -144,6 +151,7 @@ def _run(
         sentinel.close()
     after = local_state(model, optimizer)
     result = {
+        "host_syncs": dict(syncs.kinds),
         "steps": steps,
         "held": hold.step if hold else None,
         "bundle": str(hold.bundle) if hold and hold.bundle else None,
@@ -198,6 +206,7 @@ def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
             refused = _scaler_refusal(world, Path(tmp), case)
         result, _ = _run(rank, world, Path(tmp), case, watched=True)
         result["plain_state"] = plain["state"] if plain is not None else None
+        result["plain_syncs"] = plain["host_syncs"] if plain is not None else None
         result["scaler_refused"] = refused
         gc.collect()
     finally:

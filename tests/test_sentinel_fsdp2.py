@@ -87,6 +87,10 @@ def test_a_healthy_run_writes_no_set_and_trains_bit_for_bit_as_without_it(
     assert all(r["held"] is None and r["steps"] == 5 for r in results)
     assert all(r["state"] == r["plain_state"] for r in results)
     assert all(r["norm_type"] == "DTensor" for r in results)
+    # Steps 2 to 5: one host read a step added (the sentinel's one read), nothing per tensor.
+    for r in results:
+        plain, watched = sum(r["plain_syncs"].values()), sum(r["host_syncs"].values())
+        assert watched - plain == 4, (r["plain_syncs"], r["host_syncs"])
     assert results[0]["state"] != results[1]["state"]  # each rank holds its own shards
     assert not list((tmp_path / "incident" / "fsdp-healthy").glob("*/rank-*"))
     # A GradScaler is refused under FSDP2, with the reason.
