@@ -23,7 +23,9 @@ from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
 @dataclass(frozen=True)
 class ShardedCase:
     """``scenario``: ``nan-rank1`` (a NaN in rank 1's batch at ``fault_step``),
-    ``blowup`` (the learning rate x3000 from step 5), ``healthy``.
+    ``nan-update`` (a NaN written into rank 1's shard inside ``optimizer.step()``
+    at ``fault_step``), ``blowup`` (the learning rate x3000 from step 5),
+    ``healthy``; ``snapshot``: the sentinel's pre-step snapshot.
     ``micro``: micro-batches a step (all but the last without gradient sync);
     ``bf16``: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32);
     ``clip``: the loop clips through the sentinel at this max norm."""
@@ -35,6 +37,7 @@ class ShardedCase:
     micro: int = 1
     bf16: bool = False
     clip: float | None = None
+    snapshot: bool = False
 
 
 def _local(t: Any) -> Any:
@@ -103,12 +106,23 @@ def _run(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     jump = 3000.0 if case.scenario == "blowup" else 1.0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 4 else jump)
+    if case.scenario == "nan-update" and rank == 1:
+        updates = [0]  # the real optimizer's steps (a replay's copy has no hook)
+
+        def corrupt(opt: Any, args: Any, kwargs: Any) -> None:
+            updates[0] += 1
+            if updates[0] == case.fault_step:
+                with torch.no_grad():
+                    _local(opt.param_groups[0]["params"][0])[0, 0] = float("nan")
+
+        optimizer.register_step_post_hook(corrupt)
     sentinel = (
         Sentinel(
             model,
             optimizer,
             _loss,
             scheduler=scheduler,
+            snapshot=case.snapshot,
             thresholds=Thresholds(sample_every=0),
             **facts(case.run_id, tmp),
         )
@@ -158,8 +172,11 @@ def _run(
         "reason": hold.reason if hold else None,
         "capture_error": hold.capture_error if hold else None,
         "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
-        "untouched": bool(hold) and after == before[steps],
-        "changed": sorted(k for k in after if after[k] != before[steps].get(k)),
+        # The state before the held step (an update is found at the next step).
+        "untouched": bool(hold) and after == before[hold.step if hold else steps],
+        "changed": sorted(
+            k for k in after if after[k] != before[hold.step if hold else steps].get(k)
+        ),
         "finite": all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters()),
         "state": {k: v for k, v in after.items() if not k.startswith("id/")},
         "norm_type": norm_type,

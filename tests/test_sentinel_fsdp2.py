@@ -69,6 +69,21 @@ def test_a_nan_in_rank_1s_data_holds_every_rank_with_origin_rank_1(
     assert (topology["rank"], topology["world_size"], topology["sharding"]) == (0, world, "fsdp2")
 
 
+def test_one_ranks_non_finite_update_is_rolled_back_on_every_rank(tmp_path: Path) -> None:
+    """A NaN written into rank 1's shard inside optimizer.step() (a silent
+    corruption): found at the next step's vote, every rank rolls its shards and
+    optimizer state back from its snapshot and holds at the step of the update;
+    its gradients are gone, so no bundle, and the hold says why."""
+    case = ShardedCase("fsdp-update", scenario="nan-update", snapshot=True)
+    results = run(tmp_path, 2, case)
+    assert [r["held"] for r in results] == [3, 3]
+    assert all(r["finite"] and r["untouched"] for r in results), [r["changed"] for r in results]
+    assert results[0]["reason"].startswith("another rank's update")
+    assert results[1]["reason"].startswith("non-finite update after optimizer.step()")
+    assert all("live gradients are gone" in r["capture_error"] for r in results)
+    assert all(r["bundle"] is None for r in results)
+
+
 def test_a_learning_rate_blowup_is_all_ranks(tmp_path: Path) -> None:
     results = run(tmp_path, 2, ShardedCase("fsdp-blowup", scenario="blowup", steps=30))
     [held] = {r["held"] for r in results}

@@ -406,6 +406,17 @@ def capture_sharded_step(
     ``own_gradients``: whether this rank's gradients were finite before the
     reduce-scatter (None: not measured)."""
     owner = facts.incident_owner
+    if record.updated:
+        # A non-finite update found after it ran (rolled back): its gradients were
+        # clipped in place, or replaced by the next step's backward, and no copy
+        # can run the step again.
+        error = (
+            "no bundle under FSDP2 for an update found non-finite after it ran: the held"
+            " step's live gradients are gone (clipped in place or replaced by the next"
+            " step's backward), and FSDP2 modules cannot be replayed on copies"
+        )
+        log.error("step %d: %s", record.number, error)
+        return Captured(None, None, error)
     try:
         run_directory = root / facts.run_id
         run_directory.mkdir(parents=True, exist_ok=True)
