@@ -21,7 +21,6 @@ members' whole reports), so the peak memory does not grow with the reports' size
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import stat
@@ -76,7 +75,7 @@ def merge_reports(
     for path in paths:
         sources.append(str(path))
         found = _members_of_file(Path(path))
-        members.extend(found if keep_reports else map(_verdict_only, found))
+        members.extend(found if keep_reports else (m.verdict_only() for m in found))
         del found  # the parsed report goes before the next file is read
     content_id = reference_value(members, lambda m: m.contract_content_id)
     return judge_set(
@@ -84,12 +83,6 @@ def merge_reports(
         contract_content_id=content_id or contract_content_id(),
         merged_from=sources,
     )
-
-
-def _verdict_only(member: SetMember) -> SetMember:
-    """``member`` without its report: its verdict, what it declares, its bundle."""
-    bundle = member.document.get("bundle")
-    return dataclasses.replace(member, document={} if bundle is None else {"bundle": bundle})
 
 
 def _members_of_file(path: Path) -> list[SetMember]:
