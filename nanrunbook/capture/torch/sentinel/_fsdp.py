@@ -149,7 +149,9 @@ class OwnGradients:
                 op: Any,
                 async_op: Any = False,
             ) -> Any:
-                owner.norms.append(torch.linalg.vector_norm(input_tensor.detach().float()))
+                # In float32 without a float32 copy of a bfloat16 input.
+                norm = torch.linalg.vector_norm(input_tensor.detach(), dtype=torch.float32)
+                owner.norms.append(norm)
                 return self.inner(output_tensor, input_tensor, group, op, async_op)
 
         for module in model.modules():
@@ -168,7 +170,8 @@ class OwnGradients:
 
 
 def _reduce_scatter_of(groups: list[Any]) -> Any:
-    """The reduce-scatter the module uses now (FSDP2's default unless the loop set one)."""
+    """The reduce-scatter the module uses now (FSDP2's default unless the loop set
+    one), read from its parameter group: FSDP2 has no public getter for it."""
     current = getattr(groups[0], "_reduce_scatter_comm", None)
     if current is not None:
         return current
