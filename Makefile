@@ -80,6 +80,18 @@ bench-set: $(VENV)/.test-installed
 bench-capsule: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_capsule.py $(BENCH_ARGS)
 
+# `make bench-scale`: `check` of incident sets and `merge` of per-rank reports of 8, 128,
+# 1,024 and 16,384 small ranks (generated once in .bench-cache/): time per rank, peak RSS.
+.PHONY: bench-scale
+bench-scale: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_scale.py $(BENCH_ARGS)
+
+# `make bench-sentinel-fsdp2`: what the sentinel costs an FSDP2 loop on 2 gloo ranks (CPU):
+# same-run step ratio, check share, collectives and host reads added per step.
+.PHONY: bench-sentinel-fsdp2
+bench-sentinel-fsdp2: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_sentinel_fsdp2.py $(BENCH_ARGS)
+
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.
 fuzz: $(VENV)/.test-installed

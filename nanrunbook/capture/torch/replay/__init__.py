@@ -9,6 +9,7 @@ replay through the names below, never through this package's private modules.
 
 from nanrunbook.capture.torch.replay._binding import (
     add_weight,
+    batch_binding,
     cuda_devices,
     heaviest,
     model_binding,
@@ -19,6 +20,7 @@ from nanrunbook.capture.torch.replay._binding import (
 from nanrunbook.capture.torch.replay._mechanisms import RecipeChange, changed_recipe
 from nanrunbook.capture.torch.replay._recording import (
     ExtremesSampler,
+    ForwardCapture,
     OutputExtremes,
     leaf,
     listening,
@@ -49,6 +51,7 @@ __all__ = [
     "Autocast",
     "Clipping",
     "ExtremesSampler",
+    "ForwardCapture",
     "MicroBatch",
     "OutputExtremes",
     "RecipeChange",
@@ -57,6 +60,7 @@ __all__ = [
     "Scaling",
     "StepRecipe",
     "add_weight",
+    "batch_binding",
     "bind",
     "changed_recipe",
     "cuda_devices",

@@ -154,6 +154,17 @@ def where_it_ran(model: Any, rank: int | None) -> dict[str, Any]:
     }
 
 
+def stated_binding(
+    facts: LoopFacts, step: int, recovery: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What the loop states of step ``step``, its checkpoint item with the
+    ``recovery`` detail fields (whether the last known-good state was verified)."""
+    given = facts.binding(step)
+    if recovery:
+        given["checkpoint"] = {**given["checkpoint"], **recovery}
+    return given
+
+
 def capture_step(
     objects: StepObjects,
     facts: LoopFacts,
@@ -212,9 +223,7 @@ def capture_step(
         }
         if topology is not None:
             derived["topology"] = {**topology_binding(), **topology}
-        given = facts.binding(record.number)
-        if recovery:
-            given["checkpoint"] = {**given["checkpoint"], **recovery}
+        given = stated_binding(facts, record.number, recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)

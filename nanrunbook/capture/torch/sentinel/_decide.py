@@ -39,6 +39,11 @@ from nanrunbook.capture.torch.sentinel._checks import (
     gradients,
     joined,
 )
+from nanrunbook.capture.torch.sentinel._fsdp import (
+    OwnGradients,
+    capture_sharded_step,
+    local_view,
+)
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
@@ -70,7 +75,8 @@ class Decisions:
     captured: dict[int, Path]  # their bundles
     last_step: int
     _params: list[Any]
-    _local: LocalGradients | None
+    _local: LocalGradients | OwnGradients | None
+    sharded: bool
     _grad_dtype: str | None
     _step: StepRecord | None
     _pending: StepRecord | None
@@ -105,6 +111,8 @@ class Decisions:
         failure: Exception | None = None
         try:
             grads = gradients(self._params)
+            if self.sharded:
+                grads = local_view(grads)  # each rank checks its shards: no collective
             found_inf = self._found_inf() if scaler_path else None
             flags = self._pack(readout, step, previous, grads, found_inf)
         except Exception as error:
@@ -244,7 +252,7 @@ class Decisions:
         if norms is not None:
             flags.append(norms.total)
         elif step.clip is not None:
-            flags.append(step.clip.total)
+            flags.append(step.clip.checked)
         if found_inf is not None:
             flags.append(torch.where(found_inf > 0, math.inf, 0.0))
         local = self._local.take() if self._local is not None else None
@@ -350,10 +358,11 @@ class Decisions:
             return self._scaler_outcome(step, counts)
         if grads.tripped:
             if grads.local_finite is not None:
+                collective = self._local.collective if self._local is not None else "all-reduce"
                 counts += (
-                    "; this rank's own gradients were finite before the all-reduce"
+                    f"; this rank's own gradients were finite before the {collective}"
                     if grads.local_finite
-                    else "; already in this rank's own gradients, before the all-reduce"
+                    else f"; already in this rank's own gradients, before the {collective}"
                 )
             return Outcome("incident", f"non-finite gradients: {counts}", "backward")
         return Outcome("healthy")
@@ -397,6 +406,8 @@ class Decisions:
             step.warnings += self._early.scaler(False, step.scale, step.scale)
         step.warnings += self._early.skipped(False)
         step.updated = [p for p in self._params if p.grad is not None]
+        if self.sharded:
+            step.updated = local_view(step.updated)  # the update flag reads the local shards
         if step.sampler is not None:
             step.before = [p.detach().clone() for p in step.updated]
         if self._snapshot is not None:
@@ -449,7 +460,18 @@ class Decisions:
         self._held = True
         several = self.ranks.several
         rerun = self.transient == "rerun" and not several  # one process: no second vote
-        captured = capture_step(
+        capture = capture_step
+        if self.sharded:  # no copy of an FSDP2 module: the live held step's evidence
+
+            def capture(*args: Any, **kwargs: Any) -> Any:
+                # No replay on copies, so no reproduction to judge (the policy is
+                # moot) and no capsule: a sharded capsule is not written yet.
+                kwargs.pop("policy", None)
+                return capture_sharded_step(
+                    *args, **kwargs, own_gradients=lambda: step.grads.local_finite
+                )
+
+        captured = capture(
             self.objects,
             self.facts,
             step,

@@ -233,7 +233,9 @@ class LocalGradients:
     bucket on this rank before the all-reduce mixes it with the others' (then
     all-reduces it as DDP's default hook does, over the DDP module's own process
     group): the check before the collective, which tells the rank whose own
-    gradients went non-finite."""
+    gradients went non-finite. ``collective`` names it for the hold's reason."""
+
+    collective = "all-reduce"
 
     def __init__(self, ddp: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

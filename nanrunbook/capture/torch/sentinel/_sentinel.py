@@ -59,6 +59,12 @@ from nanrunbook.capture.torch.replay import (
 )
 from nanrunbook.capture.torch.sentinel._capture import StepObjects
 from nanrunbook.capture.torch.sentinel._decide import STOP, Decisions
+from nanrunbook.capture.torch.sentinel._fsdp import (
+    OwnGradients,
+    is_fully_sharded,
+    local,
+    replicated,
+)
 from nanrunbook.capture.torch.sentinel._intercept import Intercepts
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import (
@@ -200,6 +206,12 @@ class Sentinel(Decisions):
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
+        self.sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
+        if self.sharded and self.scaler is not None:
+            raise ValueError(
+                "a GradScaler under FSDP2 is not supported by the sentinel: use"
+                " MixedPrecisionPolicy with bfloat16, or a static loss_scale"
+            )
         self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
         self.host_random = host_random
         replayed, compiled = eager_module(model)
@@ -220,7 +232,13 @@ class Sentinel(Decisions):
         self._setup_state(snapshot, telemetry)
         self._install()
 
-    def _local_gradients(self, model: Any) -> LocalGradients | None:
+    def _local_gradients(self, model: Any) -> LocalGradients | OwnGradients | None:
+        if self.sharded and self.ranks.distributed:
+            try:
+                return OwnGradients(model)
+            except (RuntimeError, ValueError) as error:  # several parameter groups a module
+                log.info("gradients are checked after the reduce-scatter only: %s", error)
+                return None
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return None
         try:
@@ -341,6 +359,12 @@ class Sentinel(Decisions):
             )
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if self.sharded:  # a DTensor norm, whole on every rank; the checks read its value
+            total = replicated(total)
+            step.clip = ClipCall(
+                params, float(max_norm), float(norm_type), foreach, total, local(total)
+            )
+            return total
         step.clip = ClipCall(params, float(max_norm), float(norm_type), foreach, total)
         return total
 
