@@ -21,6 +21,7 @@ __all__ = [
     "CONTINUE",
     "CONTRACT_VERSION",
     "HOLD",
+    "NEAR_MAX_BITS",
     "NO_NONFINITE_ACTION",
     "ROOT_CAUSE_CLAIM",
     "SCALE_RANGE",
@@ -63,6 +64,10 @@ SCALE_MIN_EXPONENT = -24
 SCALE_MAX_EXPONENT = 24
 SCALE_MIN = 2.0**SCALE_MIN_EXPONENT
 SCALE_MAX = 2.0**SCALE_MAX_EXPONENT
+# NEAR_DTYPE_MAX below this many bits of headroom to a dtype's largest finite
+# value (``check --near-max-bits`` changes it for a report; the sentinel and
+# watch use this default); AT_DTYPE_MAX at none.
+NEAR_MAX_BITS = 1.0
 SCALE_RANGE = f"a power of two within [2^{SCALE_MIN_EXPONENT}, 2^{SCALE_MAX_EXPONENT}]"
 
 

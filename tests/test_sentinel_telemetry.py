@@ -144,13 +144,15 @@ def _full_record() -> TelemetryRecord:
         grad_headroom_from="max_abs",
         weight_norm=12.0,
         output=ActivationStats(1000.0, "output", "F16", 6.0, ()),
+        reproduced="NOT_REPRODUCED",
     )
 
 
 def test_the_line_is_the_one_the_sentinel_wrote_before() -> None:
     """The one serialiser writes the bytes the sentinel's own line writer
     (``StepTelemetry.line()``, before the records were one) wrote for this
-    record: its keys, their order, the nested objects' keys, every field set."""
+    record: its keys, their order, the nested objects' keys, every field set
+    (and ``reproduced``, appended since)."""
     expected = (
         b'{"format":"nanrunbook-telemetry/1","run_id":"run-1","rank":1,"world_size":2,'
         b'"step":7,"time":1764500000.5,"loss":2.5,"loss_class":"finite",'
@@ -163,7 +165,7 @@ def test_the_line_is_the_one_the_sentinel_wrote_before() -> None:
         b'"headroom_bits":0.125,"nonfinite":["act/fc2"]},"lr":0.001,'
         b'"grad_headroom_from":"max_abs","weight_norm":12.0,'
         b'"output":{"max_abs":1000.0,"where":"output","dtype":"F16","headroom_bits":6.0,'
-        b'"nonfinite":[]}}\n'
+        b'"nonfinite":[]},"reproduced":"NOT_REPRODUCED"}\n'
     )
     assert record_line(_full_record()) == expected
 

@@ -37,6 +37,7 @@ from nanrunbook.telemetry.record import (
     TelemetryRecord,
     TelemetryWarning,
     headroom_bits,
+    headroom_code,
 )
 from nanrunbook.telemetry.sinks import JsonlSink
 from nanrunbook.warning_codes import WARNING_CODES
@@ -322,9 +323,10 @@ def magnitude_alerts(
     if not known:
         return []
     bits, max_abs, dtype = min(known)
-    if bits <= 0:
-        return [alert("AT_DTYPE_MAX", f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
-    if bits < 1:
+    code = headroom_code(bits)
+    if code == "AT_DTYPE_MAX":
+        return [alert(code, f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
+    if code == "NEAR_DTYPE_MAX":
         return [
             alert(
                 "NEAR_DTYPE_MAX",

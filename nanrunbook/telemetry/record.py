@@ -52,6 +52,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import msgspec
 import orjson
 
+from nanrunbook.contract import NEAR_MAX_BITS
 from nanrunbook.dtypes import DTYPES
 
 __all__ = [
@@ -227,6 +228,16 @@ def headroom_bits(max_abs: float | None, dtype: str | None) -> float | None:
     if not (max_abs > 0 and math.isfinite(max_abs)):
         return None
     return max(0.0, math.log2(known.max_finite / max_abs))
+
+
+def headroom_code(bits: float | None) -> str | None:
+    """The warning a headroom earns: AT_DTYPE_MAX at none, NEAR_DTYPE_MAX below
+    the contract's NEAR_MAX_BITS, else None (and None for an unknown headroom)."""
+    if bits is None:
+        return None
+    if bits <= 0:
+        return "AT_DTYPE_MAX"
+    return "NEAR_DTYPE_MAX" if bits < NEAR_MAX_BITS else None
 
 
 def record_document(record: TelemetryRecord) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from nanrunbook.telemetry.record import (
     CommonOutput,
     TelemetryRecord,
     headroom_bits,
+    headroom_code,
     parse_record,
 )
 from nanrunbook.telemetry.series import Downsampler, SeriesBucket
@@ -587,7 +588,7 @@ class Summariser:
         state = self._ranks.get(rank)
         headroom = grad.headroom_bits
         bits = headroom if headroom is not None else headroom_bits(grad.max_abs, grad.dtype)
-        if state is None or (bits is not None and bits < 1.0) or rank >= line.world_size:
+        if state is None or headroom_code(bits) is not None or rank >= line.world_size:
             return False
         signals = (line.loss, grad.norm, line.weight_norm)
         detectors = state.divergence.values()
@@ -914,20 +915,19 @@ class Summariser:
                 return None
         step = record.step
         dtype = grad.dtype or "unknown dtype"
-        if bits < 1.0:
-            code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
-            if all(w.code != code for w in record.warnings):
-                # A line may give the headroom without the magnitude it came from.
-                what = (
-                    "gradient headroom"
-                    if grad.max_abs is None
-                    else f"gradient max abs {grad.max_abs:.6g}"
-                )
-                message = f"{what} is {bits:.2f} bits below the {dtype} max"
-                bound = _BOUNDS.get(record.grad_headroom_from or "")
-                if bound is not None:
-                    message += f" (at least: bounded by the {bound})"
-                self._warn(code, step, message, "watch", events)
+        code = headroom_code(bits)
+        if code is not None and all(w.code != code for w in record.warnings):
+            # A line may give the headroom without the magnitude it came from.
+            what = (
+                "gradient headroom"
+                if grad.max_abs is None
+                else f"gradient max abs {grad.max_abs:.6g}"
+            )
+            message = f"{what} is {bits:.2f} bits below the {dtype} max"
+            bound = _BOUNDS.get(record.grad_headroom_from or "")
+            if bound is not None:
+                message += f" (at least: bounded by the {bound})"
+            self._warn(code, step, message, "watch", events)
         self._trend(state, step, bits, dtype, events)
         return bits
 
@@ -945,14 +945,13 @@ class Summariser:
         bits = None if output is None else output.headroom_bits
         if output is not None and bits is None:
             bits = headroom_bits(output.max_abs, output.dtype)
-        if output is not None and bits is not None and bits < 1.0:
-            code = "AT_DTYPE_MAX" if bits == 0.0 else "NEAR_DTYPE_MAX"
-            if code not in carried:
-                message = (
-                    f"model output max abs {output.max_abs:.6g} is {bits:.2f} bits below"
-                    f" the {output.dtype} max"
-                )
-                self._warn(code, step, message, "watch", events)
+        warning = headroom_code(bits) if output is not None else None
+        if output is not None and warning is not None and warning not in carried:
+            message = (
+                f"model output max abs {output.max_abs:.6g} is {bits:.2f} bits below"
+                f" the {output.dtype} max"
+            )
+            self._warn(warning, step, message, "watch", events)
 
     def _trend(
         self, state: _Rank, step: int, bits: float, dtype: str, events: list[WatchEvent] | None

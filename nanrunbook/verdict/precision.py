@@ -30,6 +30,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nanrunbook.contract import NEAR_MAX_BITS
 from nanrunbook.dtypes import DTYPES, DType
 from nanrunbook.records import (
     EarlyWarning,
@@ -76,7 +77,7 @@ _LOW_PRECISION = frozenset(d.name for d in DTYPES.values() if d.kind == "float" 
 class WarningThresholds:
     """When a warning fires; the defaults are documented in ``nanrunbook(1)``."""
 
-    near_max_bits: float = 1.0  # NEAR_DTYPE_MAX below this many bits of headroom
+    near_max_bits: float = NEAR_MAX_BITS  # NEAR_DTYPE_MAX below this many bits of headroom
     underflow_share: float = 0.5  # GRADIENT_UNDERFLOW above this share of zero/subnormal
     underflow_dtypes: frozenset[str] = field(default=_LOW_PRECISION)
 

@@ -47,7 +47,7 @@ from nanrunbook.capture.torch.sentinel._fsdp import (
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
-from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning
+from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code
 
 __all__ = ["Decisions"]
 
@@ -705,6 +705,6 @@ def _near_max(findings: GradFindings) -> bool:
     """The per-tensor norms bound max abs: within 1 bit of a dtype's largest
     value, measure it exactly rather than warn on a bound."""
     return any(
-        (bits := headroom_bits(bound, dtype)) is not None and bits < 1
+        headroom_code(headroom_bits(bound, dtype)) is not None
         for dtype, bound in findings.bounds.items()
     )
