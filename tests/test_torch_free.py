@@ -36,9 +36,12 @@ import nanrunbook
 
 package = Path(nanrunbook.__file__).parent
 torch_side = package / "capture" / "torch"
+adapters = package / "capture" / "adapters"
 names = []
 for path in sorted(package.rglob("*.py")):
     if torch_side in path.parents or path.name == "__main__.py":
+        continue
+    if path.parent == adapters and not path.name.startswith("_"):  # a framework's own module
         continue
     parts = path.relative_to(package.parent).with_suffix("").parts
     names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
@@ -74,6 +77,7 @@ def test_every_module_outside_capture_torch_imports_without_torch() -> None:
         "nanrunbook.capture.atomic",
         "nanrunbook.capture.facts",
         "nanrunbook.capture.incident",
+        "nanrunbook.capture.adapters",
         "nanrunbook.capture.telemetry",
         "nanrunbook.telemetry",
         "nanrunbook.telemetry.sinks",
@@ -108,3 +112,18 @@ def test_using_replay_changed_loads_the_torch_side() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "has no attribute 'no_such_name'" in done.stdout
+
+
+def test_the_torch_side_and_the_adapters_package_import_no_framework() -> None:
+    """transformers, Lightning and Accelerate load only with their adapter's module."""
+    script = (
+        "import sys\n"
+        "import nanrunbook.capture.torch, nanrunbook.capture.adapters\n"
+        "frameworks = ('transformers', 'lightning', 'pytorch_lightning', 'accelerate')\n"
+        "print([m for m in sys.modules if m.split('.')[0] in frameworks])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

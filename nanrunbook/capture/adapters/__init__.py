@@ -1,0 +1,12 @@
+"""The sentinel inside the training frameworks that write the loop for the user.
+
+One module per framework, each importing its framework (and torch) only there,
+so that importing this package costs nothing:
+
+* :mod:`nanrunbook.capture.adapters.transformers`: ``SentinelTrainer`` and
+  ``SentinelTrainerMixin`` for ``transformers.Trainer`` (extra ``nanrunbook[hf]``).
+
+Each adapter builds a :class:`nanrunbook.capture.torch.Sentinel` on the
+framework's own model, optimizer, scheduler and scaler, and keeps every promise
+the sentinel keeps in a plain loop (``nanrunbook-sentinel(7)``).
+"""
