@@ -49,6 +49,12 @@ bench-sentinel: $(VENV)/.test-installed
 bench-warnings: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_warnings.py $(BENCH_ARGS)
 
+# `make bench-adapter-transformers`: a transformers.Trainer step with and without the
+# sentinel's adapter (SentinelTrainer), alternating runs in one process.
+.PHONY: bench-adapter-transformers
+bench-adapter-transformers: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_adapter_transformers.py $(BENCH_ARGS)
+
 # `make bench-bundle-write`: peak host memory and time of writing a 256 MiB bundle,
 # the writer holding it in memory against streaming it to a spool (spool_dir=).
 .PHONY: bench-bundle-write

@@ -1,5 +1,5 @@
 """One rank of a 2-process DDP Trainer run under torchrun (gloo, CPU), for
-tests/test_adapter_transformers.py: rank 1's shard turns corrupt after 12
+tests/test_adapter_transformers.py: rank 1's shard turns corrupt after 20
 records; writes what the rank ended with to ``<out>/result-<rank>.json``."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from nanrunbook.capture.torch import SentinelHold
 
 def main(out: Path) -> None:
     rank = int(os.environ["RANK"])
-    records = EmbeddingRecords(corrupt_after=12 if rank == 1 else None)
+    records = EmbeddingRecords(corrupt_after=20 if rank == 1 else None)
     trainer, watch = make_trainer(
         out,
         sentinel=sentinel_facts("ddp"),
         dataset=records,
         max_grad_norm=1.0,
+        gradient_accumulation_steps=2,  # the first micro-batch under DDP's no_sync
         ddp_backend="gloo",
         ddp_timeout=60,  # a rank left waiting fails instead of hanging
     )

@@ -128,18 +128,26 @@ class StateBeforeEachStep(TrainerCallback):  # type: ignore[misc]
 
 
 def make_trainer(
-    out: Path, *, sentinel: dict[str, Any] | None, dataset: Any = None, **changes: Any
+    out: Path,
+    *,
+    sentinel: dict[str, Any] | None,
+    dataset: Any = None,
+    watch_state: bool = True,
+    **changes: Any,
 ) -> tuple[Any, StateBeforeEachStep]:
-    """A Trainer (a SentinelTrainer with ``sentinel``) on a fresh tiny GPT-2."""
+    """A Trainer (a SentinelTrainer with ``sentinel``) on a fresh tiny GPT-2;
+    ``watch_state`` keeps its state before each step (a copy a step: the bench
+    goes without)."""
     watch = StateBeforeEachStep()
     loss = changes.pop("compute_loss_func", None)
     width = changes.pop("width", 16)
     layers = changes.pop("layers", 2)
+    positions = changes.pop("positions", 16)
     kwargs: dict[str, Any] = {
-        "model": tiny_gpt2(width=width, layers=layers),
+        "model": tiny_gpt2(width=width, layers=layers, positions=positions),
         "args": arguments(out, **changes),
         "train_dataset": token_records() if dataset is None else dataset,
-        "callbacks": [watch],
+        "callbacks": [watch] if watch_state else [],
         "compute_loss_func": loss,
     }
     trainer = (

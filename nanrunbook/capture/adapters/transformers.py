@@ -155,6 +155,11 @@ class SentinelTrainerMixin:
                 f"the sentinel's Trainer adapter runs under {', '.join(k.value for k in _PLAIN_LOOPS)};"
                 f" this Trainer runs under {kind.value}"
             )
+        if self.args.n_gpu > 1:  # one process driving several devices
+            raise NotImplementedError(
+                "the sentinel's Trainer adapter does not run under DataParallel"
+                f" ({self.args.n_gpu} GPUs in one process): launch one process per GPU (torchrun)"
+            )
         options = dict(self.sentinel_options)
         checkpoint = dict(options.pop("checkpoint", {}))
         at = self.state.global_step
@@ -228,11 +233,9 @@ class SentinelTrainerMixin:
 
     def _step_loss(self, model: Any, inputs: Any) -> Any:
         """The loss the Trainer backwards, for the sentinel and its replays: the
-        Trainer's ``compute_loss``, averaged over DataParallel's replicas and
-        divided for gradient accumulation as ``training_step`` would."""
+        Trainer's ``compute_loss``, divided for gradient accumulation as
+        ``training_step`` would."""
         loss = super().compute_loss(model, inputs, num_items_in_batch=self._num_items)  # type: ignore[misc]
-        if self.args.n_gpu > 1:
-            loss = loss.mean()
         if not self._ga_scaled:
             loss = loss / self.current_gradient_accumulation_steps
         return loss
