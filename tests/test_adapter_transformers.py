@@ -33,13 +33,22 @@ from nanrunbook.check_set import check_incident_set
 
 HERE = Path(__file__).resolve().parent
 
-# (precision, gradient_accumulation_steps, max_grad_norm): the clip and the
-# norm-only path (max_grad_norm=0), one and several micro-batches per step.
-LOOPS = [("fp32", 2, 1.0), ("bf16", 1, 0.0)]
+# (precision, gradient_accumulation_steps, max_grad_norm, loss): the clip and
+# the norm-only path (max_grad_norm=0); several micro-batches whose mean loss
+# training_step divides, and a loss the model already divides by the step's
+# token count (num_items_in_batch).
+LOOPS = [("fp32", 2, 1.0, "mean"), ("bf16", 1, 0.0, "items")]
+LOOP_NAMES = ("dtype", "accumulate", "clip", "loss")
 
 
-def precision(name: str) -> dict[str, Any]:
-    return {"bf16": name == "bf16"}
+def loop_of(dtype: str, accumulate: int, clip: float, loss: str) -> dict[str, Any]:
+    return {
+        "gradient_accumulation_steps": accumulate,
+        "max_grad_norm": clip,
+        "bf16": dtype == "bf16",
+        "fp16": dtype == "fp16",
+        "per_batch_mean": loss == "mean",
+    }
 
 
 def hold_of(trainer: Any) -> SentinelHold:
@@ -48,16 +57,11 @@ def hold_of(trainer: Any) -> SentinelHold:
     return raised.value
 
 
-@pytest.mark.parametrize(("dtype", "accumulate", "clip"), LOOPS)
+@pytest.mark.parametrize(LOOP_NAMES, LOOPS)
 def test_an_absurd_learning_rate_holds_at_the_truths_step_with_the_trainer_as_before_it(
-    tmp_path: Path, dtype: str, accumulate: int, clip: float
+    tmp_path: Path, dtype: str, accumulate: int, clip: float, loss: str
 ) -> None:
-    loop = {
-        "learning_rate": 1e8,
-        "gradient_accumulation_steps": accumulate,
-        "max_grad_norm": clip,
-        **precision(dtype),
-    }
+    loop = {"learning_rate": 1e8, **loop_of(dtype, accumulate, clip, loss)}
     truth, _ = make_trainer(tmp_path / "plain", sentinel=None, logging_nan_inf_filter=False, **loop)
     truth.train()
     onset = first_nonfinite_step(truth)
@@ -128,14 +132,21 @@ def _trained(trainer: Any) -> tuple[Any, list[dict[str, Any]]]:
     return trainer_bits(trainer, same=False), log
 
 
-@pytest.mark.parametrize(("dtype", "accumulate", "clip"), LOOPS)
+@pytest.mark.parametrize(LOOP_NAMES, [*LOOPS, ("fp16", 2, 1.0, "items")])
 def test_a_healthy_run_trains_bit_for_bit_as_without_the_adapter(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, dtype: str, accumulate: int, clip: float
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    dtype: str,
+    accumulate: int,
+    clip: float,
+    loss: str,
 ) -> None:
-    loop = {"gradient_accumulation_steps": accumulate, "max_grad_norm": clip, **precision(dtype)}
+    loop = loop_of(dtype, accumulate, clip, loss)
     plain, _ = make_trainer(tmp_path / "plain", sentinel=None, **loop)
     expected = _trained(plain)
     watched, _ = make_trainer(tmp_path / "run", sentinel=sentinel_facts("ok"), **loop)
+    if dtype == "fp16":  # on the CPU accelerate runs fp16 in float32: no autocast, no scaler
+        assert (watched.accelerator.native_amp, watched.accelerator.scaler) == (False, None)
     with caplog.at_level(logging.WARNING, logger="nanrunbook"):
         assert _trained(watched) == expected
     assert [r for r in caplog.records if r.name.startswith("nanrunbook")] == []

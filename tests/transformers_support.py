@@ -137,12 +137,14 @@ def make_trainer(
 ) -> tuple[Any, StateBeforeEachStep]:
     """A Trainer (a SentinelTrainer with ``sentinel``) on a fresh tiny GPT-2;
     ``watch_state`` keeps its state before each step (a copy a step: the bench
-    goes without)."""
+    goes without); ``per_batch_mean`` gives the model no ``num_items_in_batch``,
+    so its loss is a micro-batch's mean and the Trainer divides it."""
     watch = StateBeforeEachStep()
     loss = changes.pop("compute_loss_func", None)
     width = changes.pop("width", 16)
     layers = changes.pop("layers", 2)
     positions = changes.pop("positions", 16)
+    per_batch_mean = changes.pop("per_batch_mean", False)
     kwargs: dict[str, Any] = {
         "model": tiny_gpt2(width=width, layers=layers, positions=positions),
         "args": arguments(out, **changes),
@@ -153,6 +155,8 @@ def make_trainer(
     trainer = (
         Trainer(**kwargs) if sentinel is None else SentinelTrainer(**kwargs, sentinel=sentinel)
     )
+    if per_batch_mean:  # the model's mean loss, which training_step divides for accumulation
+        trainer.model_accepts_loss_kwargs = False
     watch.trainer = trainer
     return trainer, watch
 

@@ -23,8 +23,8 @@ What the Trainer hides from a callback, and how the adapter gets it:
   call only);
 * the gradients before clipping: the Trainer clips (or, with
   ``max_grad_norm=0``, measures the norm in place) before
-  ``on_pre_optimizer_step``, and one non-finite value there turns every
-  gradient NaN; the adapter hands that clip to ``Sentinel.clip_grad_norm_``,
+  ``on_pre_optimizer_step``, and there one NaN makes every gradient NaN (an
+  infinity: every finite one zero, itself NaN); the adapter hands that clip to ``Sentinel.clip_grad_norm_``,
   which checks the norm and applies the same clip once the step is known
   finite (the Trainer's private ``_clip_grad_norm``/``_get_grad_norm``, within
   the pinned versions);
