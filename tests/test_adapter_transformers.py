@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from transformers_support import (
+    EmbeddingRecords,
     first_nonfinite_step,
     make_trainer,
     sentinel_facts,
@@ -155,6 +156,27 @@ def test_a_healthy_run_trains_bit_for_bit_as_without_the_adapter(
     lines = telemetry_lines(incident / "telemetry.jsonl")
     assert [line["step"] for line in lines] == list(range(1, 7))
     assert all(not line["warnings"] and not line["held"] for line in lines)
+
+
+def test_the_skip_policy_skips_one_corrupt_record_and_trains_on(tmp_path: Path) -> None:
+    """policy="skip": the step that read the corrupt record changes no weight
+    and no optimizer state, its scheduler step passes; the Trainer counts it
+    (the data moved on) and trains to the end."""
+    trainer, watch = make_trainer(
+        tmp_path,
+        sentinel={**sentinel_facts("skip"), "policy": "skip"},
+        dataset=EmbeddingRecords(corrupt_read=10),
+    )
+    assert trainer.train().global_step == 6
+    lines = telemetry_lines(tmp_path / "incident" / "skip" / "telemetry.jsonl")
+    skipped = [line["step"] for line in lines if line["skipped"]]
+    assert len(skipped) == 1 and not any(line["held"] for line in lines)
+    (step,) = skipped
+    after, before = watch.before[step + 1]["tensors"], watch.before[step]["tensors"]
+    assert after["params"] == before["params"] and after["optimizer"] == before["optimizer"]
+    assert watch.before[step + 1]["tensors"]["scheduler"] == before["scheduler"]
+    assert trainer.lr_scheduler.last_epoch == 5  # six steps, one scheduler step passed
+    assert list(tmp_path.glob("incident/skip/*/manifest.json")) == []
 
 
 def test_what_the_trainer_owns_is_not_given_twice(tmp_path: Path) -> None:

@@ -42,14 +42,21 @@ def token_records(count: int = 64, length: int = 8) -> list[dict[str, torch.Tens
 
 
 class EmbeddingRecords(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Records of input embeddings; from the ``corrupt_after``-th record this
-    process reads, one element is NaN (a corrupt record on one rank's shard)."""
+    """Records of input embeddings; after the ``corrupt_after``-th record this
+    process reads (or in the ``corrupt_read``-th alone), one element is NaN (a
+    corrupt record on one rank's shard)."""
 
-    def __init__(self, corrupt_after: int | None = None, count: int = 64, width: int = 16) -> None:
+    def __init__(
+        self,
+        corrupt_after: int | None = None,
+        count: int = 64,
+        width: int = 16,
+        corrupt_read: int | None = None,
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(count, 8, width, generator=g)
         self.y = torch.randint(0, VOCAB, (count, 8), generator=g)
-        self.corrupt_after = corrupt_after
+        self.corrupt_after, self.corrupt_read = corrupt_after, corrupt_read
         self.read = 0
 
     def __len__(self) -> int:
@@ -58,7 +65,8 @@ class EmbeddingRecords(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         self.read += 1
         x = self.x[index].clone()
-        if self.corrupt_after is not None and self.read > self.corrupt_after:
+        after = self.corrupt_after is not None and self.read > self.corrupt_after
+        if after or self.read == self.corrupt_read:
             x[2, 3] = float("nan")
         return {"inputs_embeds": x, "labels": self.y[index]}
 
