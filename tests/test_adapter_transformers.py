@@ -8,10 +8,12 @@ rank holds at one step and the set names the rank whose record was corrupt."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ from nanrunbook.capture.torch import SentinelHold
 from nanrunbook.check_set import check_incident_set
 
 HERE = Path(__file__).resolve().parent
+DDP_DEADLINE = 240  # seconds for the whole torchrun job (about 20 on a shared 2-core machine)
 
 # (precision, gradient_accumulation_steps, max_grad_norm, loss): the clip and
 # the norm-only path (max_grad_norm=0); several micro-batches whose mean loss
@@ -211,8 +214,27 @@ def test_ddp_under_torchrun_holds_every_rank_at_one_step(tmp_path: Path) -> None
         str(HERE / "transformers_ddp_worker.py"),
         str(tmp_path),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # On the deadline torchrun is told to stop (it stops its workers, each in a
+    # session of its own), then killed with its group: no process left behind.
+    job = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = job.communicate(timeout=DDP_DEADLINE)
+    except subprocess.TimeoutExpired:
+        job.terminate()
+        try:
+            job.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"the 2-rank torchrun job did not end within {DDP_DEADLINE} s")
+    assert job.returncode == 0, stderr[-3000:]
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
     assert [r["distributed"] for r in results] == ["MULTI_CPU"] * 2
     held = {r["held"] for r in results}
