@@ -130,13 +130,9 @@ class SentinelTrainerMixin:
         except BaseException as error:
             self._stop_sentinel(error)
             raise
-        try:
-            if self.sentinel is not None:
-                self.sentinel.close()  # checks the last update
-        except SentinelHold:
-            self.sentinel = None
-            raise
-        self.sentinel = None
+        sentinel, self.sentinel = self.sentinel, None
+        if sentinel is not None:
+            sentinel.close()  # checks the last update: a non-finite one holds here
         return result
 
     def _stop_sentinel(self, error: BaseException | None) -> None:
