@@ -66,7 +66,9 @@ def test_an_absurd_learning_rate_holds_at_the_truths_step_with_the_trainer_as_be
     tmp_path: Path, dtype: str, accumulate: int, clip: float, loss: str
 ) -> None:
     loop = {"learning_rate": 1e8, **loop_of(dtype, accumulate, clip, loss)}
-    truth, _ = make_trainer(tmp_path / "plain", sentinel=None, logging_nan_inf_filter=False, **loop)
+    truth, _ = make_trainer(
+        tmp_path / "plain", sentinel=None, watch_state=False, logging_nan_inf_filter=False, **loop
+    )
     truth.train()
     onset = first_nonfinite_step(truth)
     assert onset is not None and onset > 1, truth.state.log_history
@@ -146,9 +148,11 @@ def test_a_healthy_run_trains_bit_for_bit_as_without_the_adapter(
     loss: str,
 ) -> None:
     loop = loop_of(dtype, accumulate, clip, loss)
-    plain, _ = make_trainer(tmp_path / "plain", sentinel=None, **loop)
+    plain, _ = make_trainer(tmp_path / "plain", sentinel=None, watch_state=False, **loop)
     expected = _trained(plain)
-    watched, _ = make_trainer(tmp_path / "run", sentinel=sentinel_facts("ok"), **loop)
+    watched, _ = make_trainer(
+        tmp_path / "run", sentinel=sentinel_facts("ok"), watch_state=False, **loop
+    )
     if dtype == "fp16":  # on the CPU accelerate runs fp16 in float32: no autocast, no scaler
         assert (watched.accelerator.native_amp, watched.accelerator.scaler) == (False, None)
     with caplog.at_level(logging.WARNING, logger="nanrunbook"):
