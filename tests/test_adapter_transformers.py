@@ -252,3 +252,7 @@ def test_ddp_under_torchrun_holds_every_rank_at_one_step(tmp_path: Path) -> None
     assert verdict.origin_ranks == (1,)
     assert verdict.earliest_nonfinite_stage == "input"
     assert verdict.ranks == (0, 1)
+    for rank in (0, 1):  # a line for every step on every rank, the held one last
+        lines = telemetry_lines(tmp_path / "incident" / "ddp" / f"telemetry-rank-{rank:05d}.jsonl")
+        assert [line["step"] for line in lines] == list(range(1, step + 1))
+        assert [line["held"] for line in lines] == [False] * (step - 1) + [True]
