@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch that the capture API's tests and examples run on.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint fuzz bench bench-diff bench-set bench-sentinel bench-warnings bench-watch bench-shrink install clean fixtures
+.PHONY: demo test lint fuzz bench bench-diff bench-set bench-sentinel bench-adapters bench-warnings bench-watch bench-shrink install clean fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(VENV)/.test-installed
 # (a 27M-parameter transformer), with and without it in alternating runs.
 bench-sentinel: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_sentinel.py $(BENCH_ARGS)
+
+# `make bench-adapters`: what the Lightning and Accelerate adapters cost a step, with and
+# without each in alternating runs of one process (CPU time a step, and wall-clock).
+bench-adapters: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_adapters.py $(BENCH_ARGS)
 
 # `make bench-warnings`: the sentinel's early warnings on six diverging and six healthy
 # real CPU runs (tests/warning_runs.py): onset, first warning, lead, false alarms.

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from nanrunbook.capture import BundleWriter
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.manifest.parse import RECOVERY_PARTS
-from nanrunbook.records import STAGE_ORDER
 
 OWNER = "ml-oncall"
 

@@ -9,7 +9,12 @@ run's telemetry twice: as written, and with every warning taken off the lines
 (an older sentinel's file), where it must derive the first warning itself.
 
 Goal: every diverging run warned no later than one step after its onset and
-before its first non-finite step; no warning at all on a healthy run.
+before its first non-finite step; no warning at all on a healthy run. The
+periodic healthy runs (``PERIODIC``: a loss that cycles every epoch) are
+listed apart: the first rise of a cycle is, when it comes, a rise like a
+divergence's (``first rise`` counts its warnings); no warning once the run has
+come back from a cycle (``false``: the sentinel's after its second epoch;
+``older``: the last step ``watch`` warns on for the older file).
 
     python bench/bench_warnings.py [--runs lr_too_high,lr_jump,...]
 """
@@ -31,21 +36,25 @@ import warning_runs
 from nanrunbook.telemetry import summarise_file
 
 
+def _stripped(path: Path) -> Path:
+    """The lines with their warnings taken off (an older sentinel's file)."""
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    for line in lines:
+        line["warnings"] = []
+    out = path.with_name("stripped.jsonl")
+    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return out
+
+
 def watch_first(path: Path, strip: bool) -> int | None:
     """The first warning step ``watch`` reports (optionally on the lines with
     their warnings taken off)."""
-    if strip:
-        lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
-        for line in lines:
-            line["warnings"] = []
-        path = path.with_name("stripped.jsonl")
-        path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
-    return summarise_file(path).first_warning_step
+    return summarise_file(_stripped(path) if strip else path).first_warning_step
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", default=",".join(warning_runs.RUNS))
+    parser.add_argument("--runs", default=",".join([*warning_runs.RUNS, *warning_runs.PERIODIC]))
     args = parser.parse_args()
     names = [n for n in args.runs.split(",") if n]
     header = (
@@ -67,15 +76,26 @@ def main() -> int:
             assert outcome.telemetry is not None
             watched = watch_first(outcome.telemetry, strip=False)
             older = watch_first(outcome.telemetry, strip=True)
+            periodic = name in warning_runs.PERIODIC
             false = 0 if outcome.diverging else len(every)
-            kind = "diverges" if outcome.diverging else "healthy"
+            kind = "diverges" if outcome.diverging else "periodic" if periodic else "healthy"
+            if periodic:
+                cycled = 2 * warning_runs.PERIOD
+                false = sum(1 for w in every if w[0] > cycled)
+                derived = summarise_file(_stripped(outcome.telemetry)).warnings
+                older = max((w.last_step for w in derived), default=None)  # its last one
             shown = f"{first[1]}: {first[2][:70]}" if first else (every[0][1] if every else "-")
             print(
                 f"{name:<20} {kind:<9} {_s(onset):>5} {_s(warned):>6} {_s(lead):>4}"
                 f" {_s(outcome.first_nonfinite):>9} {_s(watched):>5} {_s(older):>5} {false:>5}"
                 f"  {shown}  ({time.perf_counter() - start:.1f} s)"
             )
-            if outcome.diverging:
+            if periodic:
+                rise = sum(1 for w in every if w[0] <= cycled)
+                print(f"{'':<20} {rise} warnings on its first rise; older: watch's last warning")
+                if false or (older is not None and older > cycled):
+                    failures.append(name)
+            elif outcome.diverging:
                 late = onset is None or warned is None or warned > onset + 1
                 nonfinite = outcome.first_nonfinite
                 if late or (nonfinite is not None and warned is not None and warned >= nonfinite):

@@ -8,12 +8,12 @@ only be compared when they were judged under the same contract.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from nanrunbook import access, strictjson
 from nanrunbook.exits import Exit
-from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
     "ACTIONS",
@@ -23,13 +23,18 @@ __all__ = [
     "HOLD",
     "NO_NONFINITE_ACTION",
     "ROOT_CAUSE_CLAIM",
+    "SCALE_RANGE",
+    "STAGE_ORDER",
     "Caps",
     "bounds",
     "contract_content_id",
     "contract_document",
+    "is_contract_scale",
 ]
 
 CONTRACT_VERSION = "training-incident-v1"
+# The five boundaries of a training step, in the order a step crosses them.
+STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
 BUNDLE_FORMAT = "nanrunbook-bundle/1"
 HOLD = "HOLD"
 CONTINUE = "CONTINUE_BOUNDED_DIAGNOSTICS"
@@ -58,6 +63,13 @@ SCALE_MIN_EXPONENT = -24
 SCALE_MAX_EXPONENT = 24
 SCALE_MIN = 2.0**SCALE_MIN_EXPONENT
 SCALE_MAX = 2.0**SCALE_MAX_EXPONENT
+SCALE_RANGE = f"a power of two within [2^{SCALE_MIN_EXPONENT}, 2^{SCALE_MAX_EXPONENT}]"
+
+
+def is_contract_scale(value: float) -> bool:
+    """A loss scale the contract allows: a power of two within the range."""
+    power_of_two = math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
+    return power_of_two and SCALE_MIN <= value <= SCALE_MAX
 
 
 def bounds() -> dict[str, Any]:

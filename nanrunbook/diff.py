@@ -24,11 +24,11 @@ from typing import Any
 
 from nanrunbook._version import __version__
 from nanrunbook.check import check_bundle
-from nanrunbook.contract import CONTINUE, CONTRACT_VERSION, HOLD, Caps
+from nanrunbook.contract import CONTINUE, CONTRACT_VERSION, HOLD, STAGE_ORDER, Caps
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.exits import Exit
 from nanrunbook.manifest.parse import BINDING_ITEMS
-from nanrunbook.records import STAGE_ORDER, Binding, Counts, StageFinding, TensorEntry
+from nanrunbook.records import Binding, Counts, StageFinding, TensorEntry
 from nanrunbook.tensors.compare import ElementDelta, StoredTensor, TensorPair, compare_tensors
 from nanrunbook.tensors.verify import Progress
 from nanrunbook.verdict.report import Report

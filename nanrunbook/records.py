@@ -9,7 +9,6 @@ from itertools import chain
 from typing import Any, Literal, TypeVar
 
 __all__ = [
-    "STAGE_ORDER",
     "Binding",
     "Counts",
     "Decision",
@@ -27,9 +26,21 @@ __all__ = [
     "element_count",
     "element_counts",
     "frozen_records",
+    "origin_of",
 ]
 
-STAGE_ORDER: tuple[str, ...] = ("input", "forward", "loss", "backward", "optimizer")
+
+def origin_of(ranks: Sequence[int], world_size: int | None) -> str:
+    """How many of the world the origin ranks (distinct, below ``world_size``)
+    are (spec section 11): ONE_RANK, ALL_RANKS, SOME_RANKS, or NONE for none.
+    An incident set and watch's telemetry of a job name their origin by it."""
+    if not ranks:
+        return "NONE"
+    if len(ranks) == 1:
+        return "ONE_RANK"
+    if world_size is not None and world_size > 1 and len(ranks) == world_size:
+        return "ALL_RANKS"
+    return "SOME_RANKS"
 
 
 def element_count(shape: Iterable[int], limit: int) -> int | None:

@@ -4,6 +4,7 @@ keeping every bit of the real state before each step to compare with after."""
 
 from __future__ import annotations
 
+import glob
 import json
 import time
 from collections.abc import Callable
@@ -16,7 +17,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanrunbook import check_bundle
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds, probe, tensor_to_raw
+from nanrunbook.contract import STAGE_ORDER
 
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 
@@ -95,7 +98,7 @@ def run_loop(
         try:
             ran.losses[i] = step(i)
         except SentinelHold as hold:
-            ran.hold = hold
+            ran.hold = hold.with_traceback(None)  # its frames would hold the model
             break
     return ran
 
@@ -103,6 +106,17 @@ def run_loop(
 def telemetry(tmp: Path, run_id: str) -> list[dict[str, Any]]:
     path = tmp / "incident" / run_id / "telemetry.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_held_evidence(tmp: Path, run_id: str, bundle: Any, step: int, stage: str) -> None:
+    """The held step's bundle checks HOLD at ``stage``, and every step up to the
+    held one has its telemetry line."""
+    report = check_bundle(bundle)
+    assert report.decision.decision == "HOLD"
+    assert report.decision.earliest_nonfinite_stage == stage
+    lines = telemetry(tmp, run_id)
+    assert [line["step"] for line in lines] == list(range(1, step + 1))
+    assert [line["held"] for line in lines] == [False] * (step - 1) + [True]
 
 
 def bundles(tmp: Path, run_id: str) -> list[Path]:
@@ -225,6 +239,26 @@ __all__ = [
 # ------------------------------------------------------------ several ranks
 
 
+def backend_threads() -> list[str]:
+    """The names of this process's threads that belong to a c10d backend (gloo's
+    transport loop and its ``pt_gloo_runloop`` workers)."""
+    names = (Path(p).read_text().strip() for p in glob.glob("/proc/self/task/*/comm"))
+    return sorted(n for n in names if "gloo" in n)
+
+
+def end_process_group() -> None:
+    """destroy_process_group(), then fail unless the group's threads ended with
+    it: a group that something still holds (the sentinel, or torch's own module
+    defaults) is torn down at interpreter shutdown instead, where its threads can
+    abort the process (SIGABRT), which torchrun and Slurm report as a crash."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    left = backend_threads()
+    if left:
+        raise AssertionError(f"threads outlived destroy_process_group(): {left}")
+
+
 def rank_worker(rank: int, world: int, tmp: str, scenario: str) -> None:
     """One rank of a data-parallel job (gloo, CPU) under the sentinel; writes what
     it ended with to ``<tmp>/result-<rank>.json``."""
@@ -236,8 +270,10 @@ def rank_worker(rank: int, world: int, tmp: str, scenario: str) -> None:
     )
     try:
         result = _rank_loop(rank, Path(tmp), scenario)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # the loop's own error is the one to see
+        raise
+    end_process_group()
     (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
 
 
@@ -271,7 +307,7 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
             optimizer.step()
             scheduler.step()
         except SentinelHold as hold:
-            ran.hold = hold
+            ran.hold = hold.with_traceback(None)  # its frames would hold the model
             break
     sentinel.close()
     hold = ran.hold
@@ -484,8 +520,10 @@ def case_worker(rank: int, world: int, tmp: str, case: RankCase) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = _case_loop(rank, world, Path(tmp), case)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # the loop's own error is the one to see
+        raise
+    end_process_group()
     (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
 
 
@@ -524,6 +562,9 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     model = nn.parallel.DistributedDataParallel(net, process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # undone at the end: a hook that holds its optimizer is a cycle, and a patched
+    # module function that holds the sentinel would keep the model to process exit
+    undo: list[Callable[[], Any]] = []
     if case.fault == "nan-update" and faulty:
 
         def corrupt(opt: Any, args: Any, kwargs: Any) -> None:
@@ -531,7 +572,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
                 with torch.no_grad():
                     net[0].weight[0, 0] = float("nan")
 
-        optimizer.register_step_post_hook(corrupt)
+        undo.append(optimizer.register_step_post_hook(corrupt).remove)
     if case.fault == "check-fails" and faulty:
         real_gradients = decide.gradients
 
@@ -541,6 +582,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
             return real_gradients(params)
 
         decide.gradients = failing  # type: ignore[assignment]
+        undo.append(lambda: setattr(decide, "gradients", real_gradients))
     if case.slow > 0 and faulty:
         real_capture = decide.capture_step
 
@@ -549,6 +591,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
             return real_capture(*args, **kwargs)
 
         decide.capture_step = slow_capture  # type: ignore[assignment]
+        undo.append(lambda: setattr(decide, "capture_step", real_capture))
 
     sentinel = Sentinel(
         model,
@@ -576,7 +619,7 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
             if case.checkpoint:
                 sentinel.checkpointed(f"ckpt-{i}", verified_together=PARTS)
         except SentinelHold as held:
-            hold = held
+            hold = held.with_traceback(None)  # its frames would hold the model
             break
         except InjectedCheckFailure as failure:
             error = str(failure)
@@ -584,7 +627,9 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
     try:
         sentinel.close()
     except SentinelHold as held:  # the last update, checked at close
-        hold = held
+        hold = held.with_traceback(None)
+    for step in undo:
+        step()
     return {
         "steps": steps,
         "held": hold.step if hold else None,
@@ -598,3 +643,36 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
         "params": _digest(net),
         "finite": params_finite(net),
     }
+
+
+def set_verdict(incident: Path) -> tuple[list[int], str | None, dict[int, str]]:
+    """Spec section 11 from the members: origin ranks, earliest stage, decisions."""
+    decisions, stages = {}, {}
+    for member in sorted(incident.iterdir()):
+        report = check_bundle(member)
+        rank = report.manifest.binding.rank
+        assert member.name == f"rank-{rank:05d}"
+        decisions[rank] = report.decision.decision
+        if report.decision.decision == "HOLD":
+            stages[rank] = report.decision.earliest_nonfinite_stage
+    if not stages:
+        return [], None, decisions
+    earliest = min(stages.values(), key=STAGE_ORDER.index)
+    return sorted(r for r, s in stages.items() if s == earliest), earliest, decisions
+
+
+def assert_rank1_data_held(
+    tmp: Path, run_id: str, step: int, results: list[dict[str, Any]]
+) -> None:
+    """A 2-rank DDP job whose rank 1 read a NaN: both held at ``step``, rank 1 the
+    origin at input, rank 0's own gradients finite before the all-reduce (the
+    sentinel watches the DDP module), a telemetry line per step on each rank."""
+    assert all(r["origin"] == [1] for r in results)
+    assert results[1]["reason"].startswith("non-finite loss")
+    assert "own gradients were finite before the all-reduce" in results[0]["reason"]
+    origin, stage, decisions = set_verdict(tmp / "incident" / run_id / str(step))
+    assert (origin, stage) == ([1], "input")
+    assert decisions[1] == "HOLD"
+    for rank in (0, 1):
+        lines = (tmp / "incident" / run_id / f"telemetry-rank-{rank:05d}.jsonl").read_text()
+        assert [json.loads(line)["step"] for line in lines.splitlines()] == list(range(1, step + 1))

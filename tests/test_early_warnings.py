@@ -124,6 +124,49 @@ def test_noise_needs_a_larger_rise_and_the_minimum_count_is_kept() -> None:
         assert quiet.add(5, value) is None  # not fed: log space, finite
 
 
+def _periodic(period: int, blow_up_at: int | None = None) -> list[float]:
+    """A fast early drop, then a smooth loss cycling 2.2x up and down every
+    ``period`` steps; from ``blow_up_at`` on, 3x a step on top."""
+    values = []
+    for t in range(1, 481):
+        value = 10 * math.exp(-t / 10) + math.exp(0.8 * math.sin(2 * math.pi * t / period))
+        if blow_up_at is not None and t >= blow_up_at:
+            value *= 3.0 ** (t - blow_up_at + 1)
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("period", [40, 80, 120])
+def test_a_smooth_periodic_loss_warns_at_most_on_its_first_rise(period: int) -> None:
+    """Once the loss has come back from a cycle, a rise no higher than that
+    cycle is quiet (the old rule warned on the rise of every cycle but the
+    first); a blow-up out of the cycle still warns at once."""
+    from nanrunbook.telemetry._early import DEFAULT_LIMITS, Divergence
+
+    detector = Divergence(DEFAULT_LIMITS["loss"])
+    warned = [t for t, v in enumerate(_periodic(period), 1) if detector.add(t, v)]
+    assert all(t <= 3 * period for t in warned), warned  # the first rise after the drop only
+    assert detector.bump > math.log(4)  # the cycle, measured: more than the 4x ratio
+    blowing = Divergence(DEFAULT_LIMITS["loss"])
+    warned = [t for t, v in enumerate(_periodic(period, 400), 1) if blowing.add(t, v)]
+    assert min(t for t in warned if t > 3 * period) in (400, 401)
+
+
+def test_a_healthy_periodic_run_is_quiet_once_it_has_cycled(tmp_path: Path) -> None:
+    """A real run whose loss cycles every epoch (tests/warning_runs.py,
+    periodic_noise): through the sentinel and watch, no warning after the
+    first epoch's rise (the old rule warned again in the third epoch)."""
+    outcome = warning_runs.run("periodic_noise", tmp_path)
+    losses = [v for v in outcome.losses if v is not None]
+    third = losses[2 * warning_runs.PERIOD :]
+    assert max(third) / min(third) > 4  # each cycle rises more than the 4x ratio
+    late = [(s, c) for s, c, _ in outcome.warnings() if s > 2 * warning_runs.PERIOD]
+    assert late == [] and outcome.first_nonfinite is None
+    assert outcome.telemetry is not None
+    summary = summarise_file(stripped(outcome.telemetry))
+    assert all(w.last_step <= 2 * warning_runs.PERIOD for w in summary.warnings), summary.warnings
+
+
 def test_thresholds_hold_the_divergence_limits() -> None:
     limits = Thresholds(loss_ratio=3.0, divergence_min_steps=5).divergence_limits()
     assert limits["loss"].ratio == 3.0 and limits["grad_norm"].min_steps == 5

@@ -118,12 +118,13 @@ def test_a_hold_on_a_full_disk_still_holds(tmp_path: Path, monkeypatch: pytest.M
 
 def test_the_file_writes_again_and_keeps_no_partial_line(tmp_path: Path) -> None:
     """The writer alone: an error mid-line leaves the file as it was."""
-    from nanrunbook.capture.telemetry import GradTelemetry, StepTelemetry
+    from nanrunbook.telemetry.record import GradientStats, TelemetryRecord
 
-    def record(step: int) -> StepTelemetry:
-        return StepTelemetry(
-            "r", 0, 1, step, 1.0, 1.0, "finite", GradTelemetry(), None, None, None, False, False
-        )
+    def record(step: int) -> TelemetryRecord:
+        return TelemetryRecord(
+            "r", 0, 1, step, 1.0, 1.0, "finite", GradientStats(), None, None, None, False, False,
+            (), None,
+        )  # fmt: skip
 
     path = tmp_path / "t.jsonl"
     sink = TelemetryFile(path)

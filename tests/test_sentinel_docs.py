@@ -17,10 +17,11 @@ from test_docs import sections, tags
 
 from nanrunbook import __version__
 from nanrunbook.capture.incident import SentinelHold
-from nanrunbook.capture.telemetry import (
-    GradTelemetry,
-    StepTelemetry,
-    UpdateTelemetry,
+from nanrunbook.telemetry.record import (
+    GradientStats,
+    TelemetryRecord,
+    UpdateStats,
+    record_document,
 )
 from nanrunbook.warning_codes import WARNING_CODES
 
@@ -52,21 +53,25 @@ def test_the_page_carries_the_version() -> None:
 
 
 def test_every_telemetry_key_is_documented_in_order() -> None:
-    line = StepTelemetry(
-        run_id="r",
-        rank=0,
-        world_size=1,
-        step=1,
-        time=0.0,
-        loss=None,
-        loss_class="nan",
-        grad=GradTelemetry(),
-        update=UpdateTelemetry(),
-        scale=None,
-        found_inf=None,
-        skipped=False,
-        held=False,
-    ).line()
+    line = record_document(
+        TelemetryRecord(
+            run_id="r",
+            rank=0,
+            world_size=1,
+            step=1,
+            time=0.0,
+            loss=None,
+            loss_class="nan",
+            grad=GradientStats(),
+            update=UpdateStats(),
+            scale=None,
+            found_inf=None,
+            skipped=False,
+            held=False,
+            warnings=(),
+            bundle=None,
+        )
+    )
     assert tags(sections(PAGE)["TELEMETRY"]) == list(line)
     body = sections(PAGE)["TELEMETRY"]
     for key in (*line["grad"], *line["update"]):
@@ -78,7 +83,7 @@ def emitted_codes() -> set[str]:
     codes = set()
     for path in (ROOT / "nanrunbook" / "capture").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Alert":
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "alert":
                 first = node.args[0] if node.args else None
                 if isinstance(first, ast.Constant) and isinstance(first.value, str):
                     codes.add(first.value)

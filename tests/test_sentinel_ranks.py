@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from sentinel_support import RankCase, case_worker, rank_worker
+from sentinel_support import RankCase, case_worker, rank_worker, set_verdict
 
 from nanrunbook import check_bundle
-from nanrunbook.records import STAGE_ORDER
 
 
 def spawn(
@@ -48,22 +47,6 @@ def run_ranks(tmp: Path, world: int, scenario: str) -> list[dict[str, Any]]:
 
 def run_case(tmp: Path, world: int, case: RankCase) -> list[dict[str, Any]]:
     return spawn(case_worker, tmp, world, case)
-
-
-def set_verdict(incident: Path) -> tuple[list[int], str | None, dict[int, str]]:
-    """Spec section 11 from the members: origin ranks, earliest stage, decisions."""
-    decisions, stages = {}, {}
-    for member in sorted(incident.iterdir()):
-        report = check_bundle(member)
-        rank = report.manifest.binding.rank
-        assert member.name == f"rank-{rank:05d}"
-        decisions[rank] = report.decision.decision
-        if report.decision.decision == "HOLD":
-            stages[rank] = report.decision.earliest_nonfinite_stage
-    if not stages:
-        return [], None, decisions
-    earliest = min(stages.values(), key=STAGE_ORDER.index)
-    return sorted(r for r, s in stages.items() if s == earliest), earliest, decisions
 
 
 @pytest.mark.parametrize("world", [2, 4])

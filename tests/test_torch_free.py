@@ -1,7 +1,9 @@
 """Torch is imported only under nanrunbook.capture.torch: every other module, the
 check side, the CLI, telemetry and the capture side's framework-free parts
-(capture.mechanisms included), imports in a process where torch cannot be
-imported at all."""
+(capture.mechanisms and the adapters' package and private helpers included),
+imports in a process where torch cannot be imported at all. A framework's
+adapter (capture/adapters/<framework>.py) imports its framework and torch, and
+only it does."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ names = []
 for path in sorted(package.rglob("*.py")):
     if torch_side in path.parents or path.name == "__main__.py":
         continue
-    if path.parent == adapters and not path.name.startswith("_"):  # a framework's own module
-        continue
+    if path.parent == adapters and not path.name.startswith("_"):
+        continue  # a framework's adapter imports its framework and torch, by design
     parts = path.relative_to(package.parent).with_suffix("").parts
     names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
 failed = {}
@@ -59,11 +61,17 @@ print(json.dumps({"imported": names, "failed": failed, "changes": changes,
 """
 
 
-def test_every_module_outside_capture_torch_imports_without_torch() -> None:
+def run_python(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter; it must exit 0."""
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_every_module_outside_capture_torch_imports_without_torch() -> None:
+    done = run_python(SCRIPT)
     result = json.loads(done.stdout)
     assert result["failed"] == {}
     assert not result["torch_loaded"]
@@ -86,6 +94,8 @@ def test_every_module_outside_capture_torch_imports_without_torch() -> None:
         "nanrunbook.verdict.report",
         "nanrunbook.check",
         "nanrunbook.diff",
+        "nanrunbook.capture.adapters",
+        "nanrunbook.capture.adapters._forward_as_loss",
     ):
         assert name in imported, name
     assert result["changes"] == ["WithoutAutocast", "LossScale", "Reduction", "OtherBatch"]
@@ -107,23 +117,17 @@ def test_using_replay_changed_loads_the_torch_side() -> None:
         "except AttributeError as error:\n"
         "    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_python(script)
     assert "has no attribute 'no_such_name'" in done.stdout
 
 
-def test_the_torch_side_and_the_adapters_package_import_no_framework() -> None:
-    """transformers, Lightning and Accelerate load only with their adapter's module."""
+def test_the_torch_side_imports_no_training_framework() -> None:
+    """transformers, Lightning and Accelerate are imported by their adapters only."""
     script = (
         "import sys\n"
-        "import nanrunbook.capture.torch, nanrunbook.capture.adapters\n"
-        "frameworks = ('transformers', 'lightning', 'pytorch_lightning', 'accelerate')\n"
-        "print([m for m in sys.modules if m.split('.')[0] in frameworks])\n"
+        "import nanrunbook.capture.torch, nanrunbook.capture.adapters, nanrunbook.cli\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in\n"
+        "          ('transformers', 'lightning', 'pytorch_lightning', 'accelerate')]\n"
+        "assert not loaded, loaded\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    run_python(script)

@@ -209,6 +209,9 @@ def _run_lines(rng: random.Random) -> list[bytes]:
     headroom = [_headroom(rng, count) for _ in range(ranks)]
     steps = [rng.randrange(5) for _ in range(ranks)]
     scales = [rng.choice([None, 1024.0]) for _ in range(ranks)]
+    # The learning rate and the model's float16 output, as the sentinel appends them.
+    lr = rng.choice([None, 0.1, "scheduled"])
+    output_bits = rng.choice([None, rng.uniform(0.5, 12)])
     lines = []
     for i in range(count):
         for rank in range(ranks):
@@ -235,6 +238,14 @@ def _run_lines(rng: random.Random) -> list[bytes]:
             if bits is not None:
                 document["grad"]["max_abs"] = 3.4e38 / 2**bits if bits < 1000 else 1.0
                 document["grad"]["dtype"] = "F32"
+            if lr is not None:
+                document["lr"] = 0.1 * (1 + i % 7) if lr == "scheduled" else lr
+            if output_bits is not None and rng.random() < 0.95:
+                bits = max(0.0, output_bits + rng.gauss(0, 0.5))
+                document["output"] = {
+                    "max_abs": 65504.0 / 2**bits, "where": "output", "dtype": "F16",
+                    "headroom_bits": bits, "nonfinite": [] if rng.random() < 0.98 else ["output"],
+                }  # fmt: skip
             raw = orjson.dumps(document)
             if rng.random() < 0.01:
                 raw = _mutated(rng, document)
@@ -302,6 +313,51 @@ def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
     assert fast.headroom is not None and fast.headroom.direction == "falling"
 
 
+def test_a_plain_float16_run_with_its_lr_goes_the_run_way_and_keeps_both(
+    tmp_path: Path,
+) -> None:
+    """A long plain run whose lines carry the learning rate (scheduled) and the
+    model's float16 output creeping towards the max: counted a run at once,
+    the lr range, the compute headroom and the series are the record-by-record
+    ones."""
+    rng = random.Random(7)
+    lines = []
+    for step in range(3_000):
+        document = _document(rng, step)
+        document.update(loss=1.0, loss_class="finite", skipped=False, held=False, warnings=[],
+                        bundle=None, update=None, scale=1024.0)  # fmt: skip
+        document["grad"].update(nan=0, posinf=0, neginf=0, headroom_bits=100.0, max_abs=1.0)
+        document["lr"] = 1e-3 * (1 + (step // 100) % 5)
+        bits = 12.0 - step / 300 + rng.gauss(0, 0.1)
+        document["output"] = {
+            "max_abs": 65504.0 / 2**bits, "where": "output", "dtype": "F16",
+            "headroom_bits": bits, "nonfinite": [],
+        }  # fmt: skip
+        lines.append(orjson.dumps(document))
+    path = tmp_path / "fp16.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    calls = {"runs": 0}
+    original = Summariser.add_lines
+
+    def counted(self: Summariser, run: Any, raw: bytes) -> bool:
+        taken = original(self, run, raw)
+        calls["runs"] += taken
+        return taken
+
+    Summariser.add_lines = counted  # type: ignore[method-assign]
+    try:
+        fast = summarise_file(path)
+    finally:
+        Summariser.add_lines = original  # type: ignore[method-assign]
+    assert calls["runs"] >= 1
+    assert fast == _strictly(path, None, 50)
+    assert fast.learning_rate is not None and fast.learning_rate.max == pytest.approx(5e-3)
+    compute = fast.compute_headroom
+    assert compute is not None and compute.dtype == "F16" and compute.step == 2_999
+    assert 1.0 < compute.min_bits < 3.0
+    assert any(b.compute_headroom_min is not None for b in fast.series)
+
+
 # ------------------------------------------------------------ the parts
 
 
@@ -358,7 +414,7 @@ def test_a_series_extended_is_the_series_added_record_by_record(seed: int) -> No
     one, many = Downsampler(capacity), Downsampler(capacity)
     step = 0
     for _ in range(rng.randrange(1, 8)):
-        columns: list[list[Any]] = [[], [], [], [], []]
+        columns: list[list[Any]] = [[], [], [], [], [], [], [], []]
         for _ in range(rng.choice([1, 3, 17, 100, 1000])):
             step += 1
             row = [
@@ -367,10 +423,13 @@ def test_a_series_extended_is_the_series_added_record_by_record(seed: int) -> No
                 rng.choice([None, 0.0, -0.0, rng.random()]),
                 rng.choice([None, rng.uniform(1, 9)]),
                 rng.choice([None, 2.0, -0.0, rng.random()]),
+                rng.choice([None, 0.0, rng.uniform(0, 50)]),  # grad norm
+                rng.choice([None, 1e-3, rng.random()]),  # lr
+                rng.choice([None, 0.0, rng.uniform(0, 15)]),  # compute headroom
             ]
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
-            one.add(*row)
+            one.add(*row[:5], grad_norm=row[5], lr=row[6], compute_headroom=row[7])
         many.extend(*columns)
         assert [[repr(v) for v in b] for b in one._buckets] == [
             [repr(v) for v in b] for b in many._buckets

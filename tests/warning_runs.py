@@ -215,8 +215,8 @@ def xent(out: Any, batch: Any, model: Any = None) -> Any:
 
 
 def run(name: str, tmp: Path, thresholds: Thresholds | None = None) -> Outcome:
-    """Run one named run under the sentinel; its outcome."""
-    diverging, build = RUNS[name]
+    """Run one named run (of RUNS or PERIODIC) under the sentinel; its outcome."""
+    diverging, build = RUNS[name] if name in RUNS else (False, PERIODIC[name])
     torch.manual_seed(0)
     setup = build()
     outcome = Outcome(name, diverging, 0)
@@ -421,6 +421,35 @@ def label_noise() -> Setup:
     data = Batches(x, y, 8, 16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return Setup(model, optimizer, xent, lambda s: data.next(), 60)
+
+
+PERIOD = 60  # steps per epoch of periodic_noise
+
+
+def periodic_noise() -> Setup:
+    """Regression data read in a fixed order (no shuffling), 1024 examples a
+    batch, whose label noise sweeps smoothly from low to high and back within
+    each 60-step epoch: a healthy loss that cycles 0.15 -> 1.2 every epoch."""
+    g = torch.Generator().manual_seed(17)
+    batch, epochs = 1024, 3
+    x = torch.randn(PERIOD * batch, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    k = torch.arange(PERIOD * batch) // batch
+    sigma = 0.1 + 0.9 * (1 - torch.cos(2 * math.pi * k / PERIOD)) / 2
+    y = x @ w + sigma[:, None] * torch.randn(PERIOD * batch, 1, generator=g)
+    model = MLP(8, 32, 1)
+
+    def batch_of(step: int) -> Any:
+        at = (step - 1) % PERIOD * batch
+        return {"x": x[at : at + batch], "y": y[at : at + batch]}
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return Setup(model, optimizer, mse, batch_of, PERIOD * epochs)
+
+
+# Healthy runs whose loss cycles: the first rise of a cycle is, when it comes,
+# a rise like a divergence's; every later one repeats a cycle already seen.
+PERIODIC: dict[str, Callable[[], Setup]] = {"periodic_noise": periodic_noise}
 
 
 RUNS: dict[str, tuple[bool, Callable[[], Setup]]] = {

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from nanrunbook.capture.writer import BundleWriter
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.manifest.parse import RECOVERY_PARTS
-from nanrunbook.records import STAGE_ORDER
 
 __all__ = ["LoopFacts", "recovery_point"]
 

@@ -1,25 +1,27 @@
-"""The sentinel's telemetry: one JSON line per training step, and its early warnings.
+"""The sentinel's telemetry: the early warnings behind its line, and the writer
+that never ends a run.
 
-Framework-free: the torch sentinel fills these records from device values it read
-once per step; a JAX one would fill the same. The line's keys and their order are
-fixed (``nanrunbook-telemetry/1``; documented in ``nanrunbook-sentinel(7)``); later
-versions only append keys at the end.
+Framework-free: the torch sentinel builds each step's
+:class:`~nanrunbook.telemetry.record.TelemetryRecord` (the one record of the
+``nanrunbook-telemetry/1`` line, documented in ``nanrunbook-sentinel(7)``) from
+device values it read once per step, and :class:`TelemetryFile` writes it
+through :class:`~nanrunbook.telemetry.sinks.JsonlSink`; a JAX sentinel would do
+the same.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
 
-# The line's format and its headroom arithmetic have one home, beside the reader.
+# The line (its one record, serialiser and writer) and the headroom arithmetic
+# have one home, beside the reader.
 from nanrunbook.telemetry._early import (
     DEFAULT_LIMITS,
     SIGNALS,
@@ -27,22 +29,28 @@ from nanrunbook.telemetry._early import (
     DivergenceLimits,
     float32_norm_overflow,
 )
-from nanrunbook.telemetry.record import TELEMETRY_FORMAT, headroom_bits
+from nanrunbook.telemetry.record import (
+    TELEMETRY_FORMAT,
+    HeadroomSource,
+    LossClass,
+    TelemetryLineError,
+    TelemetryRecord,
+    TelemetryWarning,
+    headroom_bits,
+)
+from nanrunbook.telemetry.sinks import JsonlSink
 from nanrunbook.warning_codes import WARNING_CODES
 
 __all__ = [
     "TELEMETRY_FORMAT",
-    "Activations",
-    "Alert",
     "EarlyWarnings",
-    "GradTelemetry",
     "HeadroomSource",
     "LostLines",
-    "StepTelemetry",
     "TelemetryFile",
     "Thresholds",
-    "UpdateTelemetry",
+    "alert",
     "divergence_alerts",
+    "finite_or_none",
     "headroom_bits",
     "loss_class",
     "magnitude_alerts",
@@ -52,131 +60,49 @@ __all__ = [
 
 log = logging.getLogger("nanrunbook.sentinel")
 
-LossClass = Literal["finite", "nan", "posinf", "neginf"]
-HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]
 
-
-def _finite(value: float | None) -> float | None:
-    """JSON has no NaN or infinity: such a number is written as null."""
+def finite_or_none(value: float | None) -> float | None:
+    """A number for the line: JSON has no NaN or infinity, so such a value is
+    recorded as unknown (null), which the record's serialiser requires."""
     return value if value is not None and math.isfinite(value) else None
 
 
-@dataclass(frozen=True)
-class Alert:
-    """One warning of a step: a stable code (``nanrunbook.warning_codes``) and a
-    one-line message with the values behind it."""
-
-    code: str
-    message: str
-
-    def __post_init__(self) -> None:
-        if self.code not in WARNING_CODES:
-            raise ValueError(f"unknown warning code {self.code!r}")
-
-
-@dataclass(frozen=True)
-class GradTelemetry:
-    nan: int = 0
-    posinf: int = 0
-    neginf: int = 0
-    max_abs: float | None = None  # finite max abs, when measured this step
-    dtype: str | None = None
-    headroom_bits: float | None = None  # a lower bound when max_abs was not measured
-    norm: float | None = None  # L2 norm, when the check computed or was handed it
-
-
-@dataclass(frozen=True)
-class UpdateTelemetry:
-    nan: int = 0
-    posinf: int = 0
-    neginf: int = 0
-    max_abs: float | None = None  # measured on sampled steps and with the snapshot
-
-
-@dataclass(frozen=True)
-class Activations:
-    """The extremes of a sampled step's leaf-module outputs and probes."""
-
-    max_abs: float | None  # the largest finite one
-    where: str | None  # whose it is (act/<module> or probe/<name>)
-    dtype: str | None
-    headroom_bits: float | None
-    nonfinite: tuple[str, ...] = ()  # outputs holding a NaN or infinity, in order
-
-
-@dataclass(frozen=True)
-class StepTelemetry:
-    """One line; field order is the line's key order (after ``format``)."""
-
-    run_id: str
-    rank: int
-    world_size: int
-    step: int
-    time: float
-    loss: float | None
-    loss_class: LossClass
-    grad: GradTelemetry
-    update: UpdateTelemetry | None  # None when no update was applied
-    scale: float | None
-    found_inf: bool | None
-    skipped: bool
-    held: bool
-    warnings: tuple[Alert, ...] = ()
-    bundle: str | None = None
-    # Appended to the fixed shape: sampled activations, the first group's lr,
-    # what grad.headroom_bits was taken from (record.HEADROOM_SOURCES).
-    activations: Activations | None = None
-    lr: float | None = None
-    grad_headroom_from: HeadroomSource | None = None
-    # Appended (early warnings): the updated parameters' L2 norm; the model's
-    # reduced-precision output extreme, read every step.
-    weight_norm: float | None = None
-    output: Activations | None = None
-
-    def line(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"format": TELEMETRY_FORMAT}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, float):
-                value = _finite(value)
-            elif isinstance(value, GradTelemetry | UpdateTelemetry | Activations):
-                value = {
-                    k: _finite(v) if isinstance(v, float) else v for k, v in asdict(value).items()
-                }
-                if "nonfinite" in value:
-                    value["nonfinite"] = list(value["nonfinite"])
-            elif item.name == "warnings":
-                value = [{"code": a.code, "message": a.message} for a in value]
-            out[item.name] = value
-        return out
+def alert(code: str, message: str) -> TelemetryWarning:
+    """A warning the sentinel puts in its line: a stable code (registered in
+    ``nanrunbook.warning_codes``; a reader accepts any, the writer only these)
+    and a one-line message with the values behind it."""
+    if code not in WARNING_CODES:
+        raise ValueError(f"unknown warning code {code!r}")
+    return TelemetryWarning(code, message)
 
 
 class TelemetryFile:
-    """Appends lines to a file (created with its directory); each line is written
-    whole, with one unbuffered append, so a reader tailing the file sees
-    complete lines.
+    """The sentinel's telemetry file: each record written through a
+    :class:`JsonlSink` (opened at the first line, its directory created), so a
+    reader tailing the file sees complete lines.
 
     Telemetry never ends a healthy run: a line that cannot be written (a full
-    disk, a vanished mount) is counted, not raised, and the failure is logged
-    once per gap; a write that stopped part-way is cut back off the file. The
-    first line written again carries a TELEMETRY_LINES_LOST warning naming how
-    many lines were lost and between which steps (:attr:`lost` until then)."""
+    disk, a vanished mount, a record the serialiser refuses) is counted, not
+    raised, and the failure is logged once per gap; a write that stopped
+    part-way is cut back off the file (by the sink). The first line written
+    again carries a TELEMETRY_LINES_LOST warning naming how many lines were lost
+    and between which steps (:attr:`lost` until then)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._fd: int | None = None
+        self._sink: JsonlSink | None = None
         self.lost: LostLines | None = None  # the current gap, until a line is written
 
-    def append(self, record: StepTelemetry) -> None:
-        import orjson
-
+    def append(self, record: TelemetryRecord) -> None:
         gap = self.lost
         if gap is not None:
             record = replace(record, warnings=(*record.warnings, gap.alert()))
-        data = orjson.dumps(record.line()) + b"\n"
         try:
-            self._write(data)
-        except OSError as error:
+            if self._sink is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._sink = JsonlSink(self.path)
+            self._sink.emit(record)
+        except (OSError, TelemetryLineError) as error:
             if gap is None:
                 log.warning(
                     "telemetry: cannot write %s (%s): training goes on; lost lines are"
@@ -191,28 +117,12 @@ class TelemetryFile:
             log.warning("telemetry: writing %s again; %s", self.path, gap.alert().message)
             self.lost = None
 
-    def _write(self, data: bytes) -> None:
-        if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        fd = self._fd
-        size = os.fstat(fd).st_size
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(fd, view) :]
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)  # no partial line left for a reader
-            raise
-
     def close(self) -> None:
         if self.lost is not None:
             log.warning("telemetry: %s, never written: %s", self.path, self.lost.alert().message)
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
 
 
 @dataclass(frozen=True)
@@ -225,8 +135,8 @@ class LostLines:
     last_step: int
     error: str
 
-    def alert(self) -> Alert:
-        return Alert(
+    def alert(self) -> TelemetryWarning:
+        return alert(
             "TELEMETRY_LINES_LOST",
             f"{self.lines} telemetry line(s) could not be written, steps {self.first_step}"
             f" to {self.last_step} ({self.error})",
@@ -250,7 +160,8 @@ class Thresholds:
     GRAD_NORM_DIVERGENCE and WEIGHT_NORM_GROWTH when the signal is ``*_ratio``
     times its running minimum and ``divergence_mads`` scaled MADs above its
     median, after ``loss_min_steps`` (the loss) or ``divergence_min_steps``
-    (the norms) values. ``watch_output_bits``: under
+    (the norms) values, unless the rise is no higher than a cycle the signal
+    has already come back from (a periodic loss). ``watch_output_bits``: under
     reduced-precision autocast the model's output extreme is read every step
     (NEAR_DTYPE_MAX below 1 bit of headroom, AT_DTYPE_MAX at 0); below this
     many bits the next steps sample every chosen module until it is back.
@@ -321,7 +232,7 @@ class EarlyWarnings:
         limits = self.thresholds.divergence_limits()
         self.divergence = {signal: Divergence(limit) for signal, limit in limits.items()}
 
-    def gradient_norm(self, norm: float | None) -> list[Alert]:
+    def gradient_norm(self, norm: float | None) -> list[TelemetryWarning]:
         """A robust running statistic, not a frozen early maximum: the median of
         a sliding window, which one outlier does not move."""
         if norm is None or not math.isfinite(norm):
@@ -332,7 +243,7 @@ class EarlyWarnings:
             median = statistics.median(self.norms)
             if median > 0 and norm > t.spike_ratio * median:
                 alerts.append(
-                    Alert(
+                    alert(
                         "GRAD_NORM_SPIKE",
                         f"gradient norm {norm:.4g} is {norm / median:.3g}x the median"
                         f" {median:.4g} of the last {len(self.norms)} steps",
@@ -343,12 +254,12 @@ class EarlyWarnings:
             self.norms.popleft()
         return alerts
 
-    def scaler(self, found_inf: bool, scale: float, scale_after: float) -> list[Alert]:
+    def scaler(self, found_inf: bool, scale: float, scale_after: float) -> list[TelemetryWarning]:
         self.backoffs = self.backoffs + 1 if found_inf else 0
         alerts = []
         if self.backoffs >= self.thresholds.backoff_warn:
             alerts.append(
-                Alert(
+                alert(
                     "LOSS_SCALE_BACKOFF_STREAK",
                     f"the loss scale backed off {self.backoffs} steps in a row"
                     f" ({scale:g} -> {scale_after:g})",
@@ -356,7 +267,7 @@ class EarlyWarnings:
             )
         if scale_after < self.thresholds.scale_floor:
             alerts.append(
-                Alert(
+                alert(
                     "LOSS_SCALE_BELOW_FLOOR",
                     f"the loss scale {scale_after:g} is below the floor"
                     f" {self.thresholds.scale_floor:g}",
@@ -364,12 +275,12 @@ class EarlyWarnings:
             )
         return alerts
 
-    def skipped(self, skipped: bool) -> list[Alert]:
+    def skipped(self, skipped: bool) -> list[TelemetryWarning]:
         self.skips = self.skips + 1 if skipped else 0
         if self.skips < self.thresholds.skip_warn:
             return []
         return [
-            Alert(
+            alert(
                 "SKIPPED_UPDATE_STREAK",
                 f"{self.skips} consecutive steps were skipped without an update",
             )
@@ -381,22 +292,24 @@ class EarlyWarnings:
 
 def divergence_alerts(
     early: EarlyWarnings, signal: str, step: int, value: float | None
-) -> list[Alert]:
+) -> list[TelemetryWarning]:
     """Feed ``value`` (the step's loss, gradient norm or weight norm) to its
     detector; the warning, when it rises too far."""
     rise = early.divergence[signal].add(step, value)
     if rise is None:
         return []
     code, name = SIGNALS[signal]
-    return [Alert(code, rise.describe(name))]
+    return [alert(code, rise.describe(name))]
 
 
-def norm_overflow_alerts(max_abs: float | None) -> list[Alert]:
+def norm_overflow_alerts(max_abs: float | None) -> list[TelemetryWarning]:
     """GRAD_NORM_OVERFLOW: finite gradients whose float32 norm overflowed."""
-    return [Alert("GRAD_NORM_OVERFLOW", float32_norm_overflow(max_abs))]
+    return [alert("GRAD_NORM_OVERFLOW", float32_norm_overflow(max_abs))]
 
 
-def magnitude_alerts(what: str, values: Iterable[tuple[float | None, str | None]]) -> list[Alert]:
+def magnitude_alerts(
+    what: str, values: Iterable[tuple[float | None, str | None]]
+) -> list[TelemetryWarning]:
     """AT_DTYPE_MAX / NEAR_DTYPE_MAX (as the check's report uses them) for the
     worst of ``values``: (finite max abs, dtype) pairs."""
     known = [
@@ -410,10 +323,10 @@ def magnitude_alerts(what: str, values: Iterable[tuple[float | None, str | None]
         return []
     bits, max_abs, dtype = min(known)
     if bits <= 0:
-        return [Alert("AT_DTYPE_MAX", f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
+        return [alert("AT_DTYPE_MAX", f"{what}: {max_abs:.6g} is {dtype}'s largest finite value")]
     if bits < 1:
         return [
-            Alert(
+            alert(
                 "NEAR_DTYPE_MAX",
                 f"{what}: finite max abs {max_abs:.6g} is {bits:.2f} bits below {dtype}'s"
                 " largest finite value",

@@ -42,12 +42,12 @@ from nanrunbook.capture.atomic import (
     write_synced,
     write_synced_copy,
 )
-from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, Caps
+from nanrunbook.contract import BUNDLE_FORMAT, CONTRACT_VERSION, STAGE_ORDER, Caps
 from nanrunbook.dtypes import DTYPES, NUMPY_DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, evidence_content_id
 from nanrunbook.manifest.parse import RECOVERY_PARTS
-from nanrunbook.records import STAGE_ORDER, Counts
+from nanrunbook.records import Counts
 from nanrunbook.strictjson import MAX_SAFE_INTEGER, child_path
 from nanrunbook.tensors.counting import Tally, combine, tally_bytes
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks, safetensors_header

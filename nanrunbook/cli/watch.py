@@ -72,11 +72,13 @@ def svg_path(text: str) -> Path:
 
 
 TelemetryArgument = Annotated[
-    Path,
+    list[Path],
     typer.Argument(
-        metavar="TELEMETRY",
+        metavar="TELEMETRY...",
         parser=non_empty_path,
-        help="The sentinel's telemetry file (nanrunbook-telemetry/1 JSON lines).",
+        help="The sentinel's telemetry file (nanrunbook-telemetry/1 JSON lines); several"
+        " files, or a run directory (incident/RUN/: its telemetry*.jsonl, one per rank),"
+        " are read as one job.",
         show_default=False,
     ),
 ]
@@ -140,9 +142,11 @@ def watch(
     Reads the JSON lines the sentinel appends (nanrunbook-telemetry/1): steps,
     holds and skips, loss-scale backoffs and streaks, warnings by code with the
     step each first appeared, the trend of gradient headroom, and plots of loss,
-    gradient max abs, headroom, loss scale and skipped steps. Exit 5 with
-    --fail-on-warnings when there are warnings and no alarm; 3 when the file
-    cannot be read or holds no record.
+    gradient max abs, headroom, loss scale and skipped steps. A job's files
+    (several, or a run directory) make one summary: a step counts once, the
+    first non-finite step names the ranks it began on. Exit 5 with
+    --fail-on-warnings when there are warnings and no alarm; 3 when a file
+    cannot be read or there is no record.
 
     Example: nanrunbook watch run/telemetry.jsonl --format kv
     """
@@ -179,12 +183,12 @@ class _Options:
 
 
 @guarded
-def _once(telemetry: Path, since: int | None, window: int, options: _Options) -> int:
+def _once(telemetry: list[Path], since: int | None, window: int, options: _Options) -> int:
     from nanrunbook.telemetry.reader import TelemetryUnreadable
-    from nanrunbook.telemetry.watch import summarise_file
+    from nanrunbook.telemetry.watch import summarise_job
 
     try:
-        summary = summarise_file(telemetry, since=since, window=window)
+        summary = summarise_job(telemetry, since=since, window=window)
     except TelemetryUnreadable as error:
         sys.stderr.write(f"nanrunbook watch: cannot read {error}\n")
         return Exit.REJECTED
@@ -193,7 +197,7 @@ def _once(telemetry: Path, since: int | None, window: int, options: _Options) ->
 
 @guarded
 def _follow(
-    telemetry: Path,
+    telemetry: list[Path],
     since: int | None,
     window: int,
     stops: tuple[float | None, int | None, float],
@@ -210,7 +214,10 @@ def _follow(
         emit(functools.partial(options.renderer.watch_event, event, sys.stdout), sys.stdout)
         return not reader_gone(sys.stdout)
 
-    summariser = Summariser(str(telemetry), since=since, window=window)
+    # One file is followed as before; several, or a run directory, as a job.
+    job = len(telemetry) > 1 or telemetry[0].is_dir()
+    label = ", ".join(map(str, telemetry))
+    summariser = Summariser(label, since=since, window=window)
     try:
         stop_after_idle, until_step, wait_for_file = stops
         summary = follow(
@@ -219,6 +226,7 @@ def _follow(
             stop_after_idle=stop_after_idle,
             until_step=until_step,
             wait_for_file=wait_for_file,
+            paths=telemetry if job else None,
         )
     except TelemetryUnreadable as error:
         sys.stderr.write(f"nanrunbook watch: cannot read {error}\n")

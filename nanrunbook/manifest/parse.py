@@ -22,6 +22,7 @@ from nanrunbook.contract import (
     CONTRACT_VERSION,
     MAX_FREE_TEXT,
     MAX_TENSOR_NAME,
+    STAGE_ORDER,
     Caps,
 )
 from nanrunbook.dtypes import DTYPES
@@ -30,7 +31,6 @@ from nanrunbook.manifest import rules as rules
 from nanrunbook.manifest.content_id import EVIDENCE_ID_FORM, EVIDENCE_ID_PREFIX
 from nanrunbook.manifest.fields import Fields, Sink, is_integer, is_number, json_type
 from nanrunbook.records import (
-    STAGE_ORDER,
     Binding,
     Counts,
     LastKnownGood,

@@ -13,11 +13,11 @@ from itertools import chain
 from operator import attrgetter
 from typing import Protocol
 
-from nanrunbook.contract import SCALE_MAX, SCALE_MAX_EXPONENT, SCALE_MIN, SCALE_MIN_EXPONENT, Caps
+from nanrunbook.contract import SCALE_RANGE, STAGE_ORDER, Caps, is_contract_scale
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import Violation, quote
 from nanrunbook.manifest.fields import is_integer
-from nanrunbook.records import STAGE_ORDER, Counts, Scaler, StageRecord, TensorEntry
+from nanrunbook.records import Counts, Scaler, StageRecord, TensorEntry
 
 __all__ = [
     "CODES",
@@ -32,7 +32,6 @@ __all__ = [
     "stage_violations",
 ]
 
-SAFE_SCALES = f"a power of two within [2^{SCALE_MIN_EXPONENT}, 2^{SCALE_MAX_EXPONENT}]"
 
 CODES = {
     "LAST_KNOWN_GOOD_NOT_BEFORE_RUN": "last_known_good.step is not below run.step",
@@ -55,7 +54,7 @@ CODES = {
     "element, or the reverse",
     "GRADIENTS_SCALED_WITHOUT_SCALER": "gradients are scaled but the scaler mode is none",
     "SCALER_SCALE_NOT_ONE": "scaler mode none with a scale other than 1",
-    "SCALER_SCALE_UNSAFE": f"scale is not {SAFE_SCALES}",
+    "SCALER_SCALE_UNSAFE": f"scale is not {SCALE_RANGE}",
     "SCALER_FACTOR_INVALID": "growth_factor is not > 1 or backoff_factor is not in (0, 1)",
     "SCALER_TRANSITION_INVALID": "found_inf, step_skipped and scale_after do not agree",
     "SCALER_FOUND_INF_MISMATCH": "found_inf disagrees with whether the backward stage has a "
@@ -360,11 +359,6 @@ def caps_violations(stages: Mapping[int, StageRecord], path: str, caps: Caps) ->
     return found
 
 
-def _safe_scale(value: float) -> bool:
-    power_of_two = math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
-    return power_of_two and SCALE_MIN <= value <= SCALE_MAX
-
-
 def scaler_violations(scaler: Scaler, path: str) -> list[Violation]:
     """The scaler record on its own: the scale, the factors, the dynamic transition."""
     scale = scaler.scale
@@ -373,8 +367,8 @@ def scaler_violations(scaler: Scaler, path: str) -> list[Violation]:
             return []
         return [Violation("SCALER_SCALE_NOT_ONE", f"{path}.scale", "mode none requires scale 1")]
     found: list[Violation] = []
-    if not _safe_scale(scale):
-        message = f"{scale!r} is not {SAFE_SCALES}"
+    if not is_contract_scale(scale):
+        message = f"{scale!r} is not {SCALE_RANGE}"
         found.append(Violation("SCALER_SCALE_UNSAFE", f"{path}.scale", message))
     if scaler.mode != "dynamic":
         return found
@@ -411,10 +405,10 @@ def _transition_violations(scaler: Scaler, path: str) -> list[Violation]:
         shown = f"{allowed[0]!r} or {allowed[1]!r}"
     if scaler.scale_after in allowed:
         return found
-    if _safe_scale(scale):
+    if is_contract_scale(scale):
         message = f"{rule} {shown}"
     else:  # values computed from an unsafe scale would read as advice: state the rule only
-        message = f"{rule} {formula}, but scale {scale!r} is itself not {SAFE_SCALES}"
+        message = f"{rule} {formula}, but scale {scale!r} is itself not {SCALE_RANGE}"
     found.append(Violation("SCALER_TRANSITION_INVALID", f"{path}.scale_after", message))
     return found
 

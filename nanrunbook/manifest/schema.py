@@ -21,6 +21,7 @@ from nanrunbook.contract import (
     CONTRACT_VERSION,
     SCALE_MAX_EXPONENT,
     SCALE_MIN_EXPONENT,
+    STAGE_ORDER,
 )
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.manifest.fields import IDENTIFIER, MAX_FREE_TEXT, MAX_TENSOR_NAME
@@ -36,7 +37,6 @@ from nanrunbook.manifest.parse import (
     TOP_LEVEL_FIELDS,
     TYPED_FIELDS,
 )
-from nanrunbook.records import STAGE_ORDER
 from nanrunbook.strictjson import MAX_SAFE_INTEGER
 
 __all__ = ["DIALECT", "PARTIAL_CODES", "SCHEMA_CODES", "manifest_schema"]

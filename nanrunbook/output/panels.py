@@ -3,8 +3,11 @@ series against step, from the summary's bounded downsampled buckets.
 
 Each bucket contributes its extremes (the worst of what it covers), plotted
 at its last step: the loss's min and max, the gradient's largest magnitude
-(log10), its least headroom to the dtype's max (bits), the loss scale's
-least value (log2), and the skipped, held and non-finite steps it holds.
+(log10), the gradient norm's largest (log10, where recorded), its least
+headroom to the dtype's max (bits), the reduced-precision compute's least
+headroom to its own dtype's max (bits, where recorded), the loss scale's least
+value (log2), the learning rate's min and max (log10, where recorded), and the
+skipped, held and non-finite steps it holds.
 """
 
 from __future__ import annotations
@@ -121,9 +124,26 @@ def watch_panels(summary: WatchSummary) -> tuple[Panel, ...]:
             x_range,
         ),
     ]
+    if any(b.grad_norm_max is not None for b in buckets):
+        points = [(b.last_step, _log(b.grad_norm_max, 10)) for b in buckets]
+        trace = _trace("norm", points)
+        panels.insert(2, Panel("gradient norm, log10 (max per bucket)", "log10", (trace,), x_range))
+    compute = summary.compute_headroom
+    if compute is not None:
+        points = [(b.last_step, b.compute_headroom_min) for b in buckets]
+        title = f"compute headroom, bits below the {compute.dtype} max (least per bucket)"
+        panels.append(Panel(title, "bits", (_trace("compute", points),), x_range))
     if summary.scale is not None:
         points = [(b.last_step, _log(b.scale_min, 2)) for b in buckets]
         trace = _trace("scale", points)
         panels.append(Panel("loss scale, log2 (least per bucket)", "log2", (trace,), x_range))
+    if summary.learning_rate is not None:
+        traces = (
+            _trace("max", [(b.last_step, _log(b.lr_max, 10)) for b in buckets]),
+            _trace("min", [(b.last_step, _log(b.lr_min, 10)) for b in buckets]),
+        )
+        panels.append(
+            Panel("learning rate, log10 (min and max per bucket)", "log10", traces, x_range)
+        )
     panels.append(_events_panel(buckets, x_range))
     return tuple(panels)

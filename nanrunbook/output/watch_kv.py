@@ -40,6 +40,8 @@ def summary_lines(summary: WatchSummary) -> list[str]:
     trend = summary.headroom
     scale = summary.scale
     backoff_streak = None if scale is None else scale.longest_backoff_streak
+    lr, compute = summary.learning_rate, summary.compute_headroom
+    sampled = summary.activations_sampled
     lines = [
         f"watch_format={WATCH_FORMAT}",
         f"status={summary.status}",
@@ -73,6 +75,14 @@ def summary_lines(summary: WatchSummary) -> list[str]:
         f"incomplete_line={_number(summary.incomplete.line if summary.incomplete else None)}",
         f"rotations={summary.rotations}",
         f"truncations={summary.truncations}",
+        f"lr_last={_number(None if lr is None else lr.last)}",
+        f"compute_headroom_dtype={_safe(compute.dtype) if compute else 'none'}",
+        f"compute_headroom_bits={_number(compute.bits if compute else None)}",
+        f"compute_headroom_min_bits={_number(compute.min_bits if compute else None)}",
+        f"activations_sampled_step={_number(sampled.step if sampled else None)}",
+        f"files={len(summary.files) or 1}",
+        f"origin_ranks={','.join(map(str, first.origin_ranks)) if first else 'none'}",
+        f"origin={first.origin if first else 'NONE'}",
     ]
     return lines
 

@@ -5,14 +5,18 @@ strings; the text renderer prints them through rich (colour on a terminal)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from nanrunbook.telemetry.summary import (
     STEPS_KEPT,
+    ActivationSample,
+    ComputeHeadroom,
     HeadroomTrend,
     Occurrences,
+    RankRow,
     ScaleSummary,
     Streak,
+    ValueRange,
     WatchEvent,
     WatchSummary,
 )
@@ -84,6 +88,47 @@ def _headroom(trend: HeadroomTrend | None) -> str:
     return line
 
 
+def _range(values: ValueRange) -> str:
+    return (
+        f"{values.first:.4g} -> {values.last:.4g} (least {values.min:.4g}, most {values.max:.4g})"
+    )
+
+
+def _compute(compute: ComputeHeadroom, gradients: HeadroomTrend | None) -> str:
+    """The reduced-precision values' own headroom; said first when it is
+    tighter than the gradients', so a float32 gradient line never reassures
+    about float16 activations."""
+    line = f"{compute.dtype} {compute.where}, step {compute.step} (rank {compute.rank}): "
+    if compute.nonfinite:
+        line += "non-finite, no headroom left"
+    else:
+        line += f"{compute.bits:.2f} bits below the {compute.dtype} max"
+    if compute.min_step != compute.step and not compute.min_nonfinite:
+        line += f" (least {compute.min_bits:.2f}, step {compute.min_step}, {compute.min_where})"
+    if gradients is not None and compute.bits < gradients.last_bits:
+        line += f"; tighter than the gradients' {gradients.dtype} ({gradients.last_bits:.1f} bits)"
+    return line
+
+
+def _sampled(sample: ActivationSample | None, last_step: int | None) -> str:
+    if sample is None:
+        return "not sampled in these records (Thresholds.sample_every)"
+    stats = sample.activations
+    ago = ""
+    if last_step is not None and last_step > sample.step:
+        gap = last_step - sample.step
+        ago = f", {gap} step{'s' if gap != 1 else ''} before the last record"
+    line = f"last sampled at step {sample.step} (rank {sample.rank}{ago})"
+    if stats.max_abs is not None:
+        line += f": max abs {stats.max_abs:.4g} at {stats.where or '-'} ({stats.dtype or '-'})"
+        if stats.headroom_bits is not None:
+            line += f", {stats.headroom_bits:.2f} bits below its max"
+    if stats.nonfinite:
+        shown = ", ".join(stats.nonfinite[:3]) + (" ..." if len(stats.nonfinite) > 3 else "")
+        line += f"; non-finite in {shown}"
+    return line
+
+
 def _steps_line(summary: WatchSummary) -> str:
     if summary.first_step is None:
         return "none"
@@ -111,10 +156,17 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         found = summary.first_nonfinite
         what, kind = found.part.split(":")
         count = summary.nonfinite.count
-        nonfinite = f"step {found.step}: {what} {kind} (rank {found.rank}); {count} such step"
+        where = f"rank {found.rank}"
+        if len(summary.ranks) > 1:
+            where = _origin(summary)
+        nonfinite = f"step {found.step}: {what} {kind} ({where}); {count} such step"
         nonfinite += "s" if count != 1 else ""
+    read = f"{summary.lines} lines, {summary.records} records{bad}"
+    files = len(summary.files)
     facts = [
-        ("file", f"{summary.path}: {summary.lines} lines, {summary.records} records{bad}"),
+        ("files", f"{summary.path}: {files} files, {read}")
+        if files
+        else ("file", f"{summary.path}: {read}"),
         (
             "run",
             f"{', '.join(summary.run_ids) or '-'}; rank {ranks or '-'} of {summary.world_size or '-'}",
@@ -126,21 +178,45 @@ def summary_facts(summary: WatchSummary) -> list[tuple[str, str]]:
         ("skipped updates", _steps(summary.skips) + _streak(summary.longest_skip_streak, "skip")),
         ("scaler overflows", _overflows(summary)),
         ("loss scale", _scale(summary.scale)),
-        ("gradient headroom", _headroom(summary.headroom)),
     ]
+    if summary.learning_rate is not None:
+        facts.append(("learning rate", _range(summary.learning_rate)))
+    compute, trend = summary.compute_headroom, summary.headroom
+    if compute is not None:
+        facts.append(("compute headroom", _compute(compute, trend)))
+    facts.append(("gradient headroom", _headroom(trend)))
+    if compute is not None or summary.activations_sampled is not None:
+        facts.append(("activations", _sampled(summary.activations_sampled, summary.last_step)))
     if summary.last is not None:
         last = summary.last
         loss = _g(last.loss) if last.loss_class == "finite" else last.loss_class
+        lr = "" if last.lr is None else f", lr {_g(last.lr)}"
         facts.append(
             (
                 "last record",
                 f"step {last.step}: loss {loss}, grad norm {_g(last.grad.norm)},"
-                f" grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}",
+                f" grad max abs {_g(last.grad.max_abs)}, scale {_g(last.scale)}{lr}",
             )
         )
     if summary.bundles:
         facts.append(("bundles", ", ".join(summary.bundles)))
     return facts
+
+
+def _origin(summary: WatchSummary) -> str:
+    """Where a job's first non-finite step began: its origin ranks, how many of
+    the world they are, and what the other ranks showed at that step."""
+    found = summary.first_nonfinite
+    assert found is not None
+    ranks = ", ".join(str(r) for r in found.origin_ranks[:8])
+    ranks += " ..." if len(found.origin_ranks) > 8 else ""
+    plural = "s" if len(found.origin_ranks) > 1 else ""
+    line = f"began on rank{plural} {ranks}: {found.origin} of {summary.world_size or '-'}"
+    others = [(r, p) for r, p in found.parts if r not in found.origin_ranks]
+    if others:
+        shown = ", ".join(f"rank {r} {p.replace(':', ' ')}" for r, p in others[:3])
+        line += f"; then {shown}" + (" ..." if len(others) > 3 else "")
+    return line
 
 
 def _overflows(summary: WatchSummary) -> str:
@@ -163,9 +239,45 @@ def summary_sections(summary: WatchSummary) -> Iterable[tuple[str, list[str]]]:
         lines = [f"line {b.line:<8} {b.kind}: {b.reason}" for b in summary.bad_examples]
         shown = len(summary.bad_examples)
         yield f"Bad lines: {summary.bad_lines} (the first {shown} shown)", lines
+    if len(summary.rank_rows) > 1:
+        yield "Ranks, where they differ", _rank_table(summary)
     notes = _notes(summary)
     if notes:
         yield "Notes", notes
+
+
+_RANK_COLUMNS: tuple[tuple[str, Callable[[RankRow], str]], ...] = (
+    ("records", lambda r: str(r.records)),
+    ("steps", lambda r: f"{r.first_step}-{r.last_step}" if r.first_step is not None else "-"),
+    ("held", lambda r: str(r.holds)),
+    ("skipped", lambda r: str(r.skips)),
+    ("non-finite", lambda r: str(r.nonfinite)),
+    ("first non-finite", lambda r: (r.first_nonfinite or "-").replace(":", " ")),
+    ("warnings", lambda r: str(r.warnings)),
+)
+
+
+def _rank_table(summary: WatchSummary) -> list[str]:
+    """One line per rank, only the columns whose values differ between ranks."""
+    rows = summary.rank_rows[:16]
+    columns = [
+        (name, cells)
+        for name, cell in _RANK_COLUMNS
+        if len(set(cells := [cell(r) for r in summary.rank_rows])) > 1
+    ]
+    if not columns:
+        return [
+            f"all {len(summary.rank_rows)} ranks alike: "
+            + ", ".join(f"{name} {cell(summary.rank_rows[0])}" for name, cell in _RANK_COLUMNS[:5])
+        ]
+    widths = [max(len(name), *(len(c) for c in cells[: len(rows)])) for name, cells in columns]
+    lines = ["rank    " + "  ".join(n.ljust(w) for (n, _), w in zip(columns, widths, strict=True))]
+    for i, row in enumerate(rows):
+        cells = [cells[i].ljust(w) for (_, cells), w in zip(columns, widths, strict=True)]
+        lines.append(f"{row.rank:<6}  " + "  ".join(cells).rstrip())
+    if len(summary.rank_rows) > len(rows):
+        lines.append(f"... and {len(summary.rank_rows) - len(rows)} more ranks (json has them all)")
+    return [line.rstrip() for line in lines]
 
 
 def _notes(summary: WatchSummary) -> list[str]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     )
     from nanrunbook.telemetry.record import (
         TELEMETRY_FORMAT,
+        ActivationStats,
         GradientStats,
         TelemetryLineError,
         TelemetryRecord,
@@ -56,6 +57,7 @@ _LAZY = {
     "TelemetryUnreadable": ".reader",
     "read_telemetry": ".reader",
     "TELEMETRY_FORMAT": ".record",
+    "ActivationStats": ".record",
     "GradientStats": ".record",
     "TelemetryLineError": ".record",
     "TelemetryRecord": ".record",
@@ -82,6 +84,7 @@ _LAZY = {
 
 __all__ = [
     "TELEMETRY_FORMAT",
+    "ActivationStats",
     "BadLine",
     "FollowInterrupted",
     "GradientStats",

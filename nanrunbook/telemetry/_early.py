@@ -15,7 +15,10 @@ keep its pace (the later half of the rise since that minimum at least
 ``SETTLING`` of the earlier half's rate): weights that grow towards a level
 slow down; weights on the road to +inf grow exponentially. Steps a GradScaler skipped
 carry no gradient norm and are not fed; a loss that is not positive is not fed
-either (log space).
+either (log space). A rise no higher above the running low than the largest
+cycle the signal has completed (see ``Divergence._cycle``), plus the MADs'
+allowance, does not warn: a periodic loss repeats its cycle, a divergence
+rises beyond every cycle before it.
 
 Framework-free and bounded: a detector keeps ``window`` floats. The defaults
 were chosen by ``bench/bench_warnings.py`` (``make bench-warnings``).
@@ -117,7 +120,8 @@ class Divergence:
     run of values can (watch's fast path counts such runs in bulk)."""
 
     __slots__ = (
-        "_logs", "_steps", "began", "count", "last", "limits", "minimum", "minimum_step",
+        "_logs", "_low", "_peak", "_rise", "_steps", "began", "bump", "count", "last", "limits",
+        "minimum", "minimum_step",
     )  # fmt: skip
 
     def __init__(self, limits: DivergenceLimits) -> None:
@@ -129,6 +133,10 @@ class Divergence:
         self.minimum_step = 0
         self.last = math.inf
         self.began = 0
+        # The largest cycle seen (log space): see _cycle.
+        self._low = self._peak = math.inf
+        self._rise = 0.0
+        self.bump = 0.0
 
     def add(self, step: int, value: float | None) -> Rise | None:
         if value is None or not (value > 0 and math.isfinite(value)):
@@ -139,6 +147,7 @@ class Divergence:
         rise = None
         if self.count >= limits.min_steps and value > limits.ratio * self._floor()[0]:
             rise = self._judge(step, value)
+        self._cycle(math.log(value))
         self._logs.append(math.log(value))
         self._steps.append(step)
         self.count += 1
@@ -146,6 +155,24 @@ class Divergence:
         if value < self.minimum:
             self.minimum, self.minimum_step = value, step
         return rise
+
+    def _cycle(self, log: float) -> None:
+        """The largest completed cycle of the run: a peak's height above the
+        lowest value before it and above the lowest after it, the lesser of the
+        two (log space, in O(1): the peak since the running low, measured as
+        the signal falls from it). A value whose rise above the running low is
+        no more than that (and the step noise) repeats a cycle the signal has
+        already come back from, as a periodic loss does; a divergence rises
+        beyond every cycle before it."""
+        fall = self._peak - log
+        if fall > 0:
+            self.bump = max(self.bump, min(self._rise, fall))
+        if log < self._low:
+            self._low = self._peak = log
+            self._rise = 0.0
+        elif log > self._peak:
+            self._peak = log
+            self._rise = log - self._low
 
     def _floor(self) -> tuple[float, int]:
         """The minimum the ratio is over, and its step."""
@@ -164,7 +191,11 @@ class Divergence:
         else:
             noise = 0.0
         excess = math.log(value) - median
-        if excess <= self.limits.mads * noise or not self._not_settling(math.log(value)):
+        if (
+            excess <= self.limits.mads * noise
+            or not self._not_settling(math.log(value))
+            or math.log(value) - self._low <= self.bump + self.limits.mads * noise
+        ):
             return None
         floor, floor_step = self._floor()
         return Rise(

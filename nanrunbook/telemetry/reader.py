@@ -25,6 +25,7 @@ __all__ = [
     "LineSplitter",
     "TelemetryReader",
     "TelemetryUnreadable",
+    "directory_meant",
     "open_telemetry",
     "parse_line",
     "read_telemetry",
@@ -146,13 +147,13 @@ def open_telemetry(path: Path) -> int:
     if not stat.S_ISREG(mode):
         os.close(fd)
         if stat.S_ISDIR(mode):
-            raise TelemetryUnreadable(f"{path}: {_directory_meant(path)}")
+            raise TelemetryUnreadable(f"{path}: {directory_meant(path)}")
         raise TelemetryUnreadable(f"{path}: not a regular file, not a telemetry file")
     os.set_blocking(fd, True)
     return fd
 
 
-def _directory_meant(path: Path) -> str:
+def directory_meant(path: Path) -> str:
     """What a directory given for telemetry most likely meant."""
     from nanrunbook.errors import quote
 

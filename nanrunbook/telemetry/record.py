@@ -15,14 +15,17 @@ once per training step (and per rank), with these fields in this order::
                | null,
      "scale": float | null, "found_inf": bool | null, "skipped": bool,
      "held": bool, "warnings": [{"code": str, "message": str}], "bundle": str | null,
-     "activations": {...} | null, "lr": float | null,
+     "activations": {"max_abs": ..., "where": ..., "dtype": ..., "headroom_bits": ...,
+                     "nonfinite": [str]} | null,
+     "lr": float | null,
      "grad_headroom_from": "max_abs" | "tensor_norm" | "total_norm" | null,
      "weight_norm": float | null,
      "output": {"max_abs": float | null, "where": str | null, "dtype": str | null,
                 "headroom_bits": float | null, "nonfinite": [str]} | null}
 
-The sentinel appends ``activations`` and ``lr`` (which this reader leaves to the
-line) and ``grad_headroom_from``: ``"max_abs"`` when grad.headroom_bits is exact
+The sentinel appends ``activations`` (the extremes of a sampled step's module
+outputs, same keys as ``output``; null on the steps between samples), ``lr``
+(the first parameter group's learning rate) and ``grad_headroom_from``: ``"max_abs"`` when grad.headroom_bits is exact
 (from the measured max abs), ``"tensor_norm"`` when it is a lower bound from the
 largest per-tensor L2 norm, ``"total_norm"`` when a lower bound from the total
 norm clipping computed (|g_i| <= ||g||), null when there is no headroom (or the
@@ -40,8 +43,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 import orjson
@@ -53,9 +56,11 @@ __all__ = [
     "HEADROOM_SOURCES",
     "LOSS_CLASSES",
     "TELEMETRY_FORMAT",
+    "ActivationStats",
     "CommonLine",
     "GradientStats",
-    "OutputStats",
+    "HeadroomSource",
+    "LossClass",
     "TelemetryLineError",
     "TelemetryRecord",
     "TelemetryWarning",
@@ -68,9 +73,14 @@ __all__ = [
     "record_line",
 ]
 
-TELEMETRY_FORMAT = "nanrunbook-telemetry/1"
-LOSS_CLASSES = ("finite", "nan", "posinf", "neginf")
-HEADROOM_SOURCES = ("max_abs", "tensor_norm", "total_norm")  # grad_headroom_from's values
+# Each vocabulary once, as the type the record and the fast path's decoder use
+# and the tuple a check reads.
+TelemetryFormat = Literal["nanrunbook-telemetry/1"]
+LossClass = Literal["finite", "nan", "posinf", "neginf"]
+HeadroomSource = Literal["max_abs", "tensor_norm", "total_norm"]  # grad_headroom_from's values
+TELEMETRY_FORMAT: str = get_args(TelemetryFormat)[0]
+LOSS_CLASSES: tuple[LossClass, ...] = get_args(LossClass)
+HEADROOM_SOURCES: tuple[HeadroomSource, ...] = get_args(HeadroomSource)
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
@@ -87,13 +97,15 @@ class TelemetryWarning:
 class GradientStats:
     """The gradients of one step, after unscaling, before clipping and the step."""
 
-    nan: int
-    posinf: int
-    neginf: int
-    max_abs: float | None  # largest finite magnitude; None when there is none
-    dtype: str | None  # None when the writer does not know it
-    headroom_bits: float | None  # log2(dtype max / max_abs); None when undefined
-    norm: float | None
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    max_abs: float | None = None  # largest finite magnitude; None when there is none
+    dtype: str | None = None  # None when the writer does not know it
+    # log2(dtype max / max_abs); None when undefined; a lower bound when max_abs
+    # was not measured (grad_headroom_from says from what)
+    headroom_bits: float | None = None
+    norm: float | None = None  # L2 norm, when the check computed or was handed it
 
     @property
     def nonfinite(self) -> int:
@@ -104,10 +116,10 @@ class GradientStats:
 class UpdateStats:
     """What the optimizer step changed (new minus old parameters)."""
 
-    nan: int
-    posinf: int
-    neginf: int
-    max_abs: float | None
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    max_abs: float | None = None  # measured on sampled steps and with the snapshot
 
     @property
     def nonfinite(self) -> int:
@@ -115,19 +127,26 @@ class UpdateStats:
 
 
 @dataclass(frozen=True)
-class OutputStats:
-    """The model's reduced-precision output at one step: its largest finite
-    magnitude, dtype and headroom, and whether an output held a NaN or infinity."""
+class ActivationStats:
+    """The extremes of reduced-precision outputs at one step: the largest finite
+    magnitude, whose it is (``act/<module>``, ``probe/<name>``, or ``output``
+    for the model's output), its dtype and headroom, and the outputs that held a
+    NaN or infinity, in order. Both ``activations`` (sampled steps, every
+    chosen module) and ``output`` (every step, the model's output) are one."""
 
     max_abs: float | None
+    where: str | None
     dtype: str | None
     headroom_bits: float | None
-    nonfinite: bool
+    nonfinite: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class TelemetryRecord:
-    """One step of one rank, as the sentinel saw it."""
+    """One step of one rank, as the sentinel saw it: the one record of the line,
+    built by the sentinel, written by :func:`record_line` and read back by
+    :func:`parse_record` whole. Field order is the line's key order (after
+    ``format``)."""
 
     run_id: str
     rank: int
@@ -144,9 +163,14 @@ class TelemetryRecord:
     held: bool
     warnings: tuple[TelemetryWarning, ...]
     bundle: str | None
+    # Appended to the fixed shape, in the line's order. activations and lr are
+    # keyword-only, so a record built positionally (grad_headroom_from 16th)
+    # still builds as before they were read.
+    activations: ActivationStats | None = field(default=None, kw_only=True)
+    lr: float | None = field(default=None, kw_only=True)
     grad_headroom_from: str | None = None  # one of HEADROOM_SOURCES
     weight_norm: float | None = None
-    output: OutputStats | None = None
+    output: ActivationStats | None = None
 
     @property
     def overflow_absorbed(self) -> bool:
@@ -205,7 +229,7 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
     """The record as its JSON object, fields in the format's order."""
     grad = record.grad
     update = record.update
-    output = record.output
+    output, activations = record.output, record.activations
     return {
         "format": TELEMETRY_FORMAT,
         "run_id": record.run_id,
@@ -238,20 +262,21 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
         "held": record.held,
         "warnings": [{"code": w.code, "message": w.message} for w in record.warnings],
         "bundle": record.bundle,
-        # (The sentinel's activations and lr come between: this reader keeps neither.)
+        "activations": None if activations is None else _extremes_document(activations),
+        "lr": record.lr,
         "grad_headroom_from": record.grad_headroom_from,
         "weight_norm": record.weight_norm,
-        "output": None if output is None else _output_document(output),
+        "output": None if output is None else _extremes_document(output),
     }
 
 
-def _output_document(output: OutputStats) -> dict[str, Any]:
+def _extremes_document(stats: ActivationStats) -> dict[str, Any]:
     return {
-        "max_abs": output.max_abs,
-        "where": None if output.max_abs is None else "output",
-        "dtype": output.dtype,
-        "headroom_bits": output.headroom_bits,
-        "nonfinite": ["output"] if output.nonfinite else [],
+        "max_abs": stats.max_abs,
+        "where": stats.where,
+        "dtype": stats.dtype,
+        "headroom_bits": stats.headroom_bits,
+        "nonfinite": list(stats.nonfinite),
     }
 
 
@@ -275,10 +300,13 @@ def _check_finite_numbers(record: TelemetryRecord) -> None:
         "grad.norm": record.grad.norm,
         "update.max_abs": None if update is None else update.max_abs,
         "scale": record.scale,
+        "lr": record.lr,
         "weight_norm": record.weight_norm,
-        "output.max_abs": None if record.output is None else record.output.max_abs,
-        "output.headroom_bits": None if record.output is None else record.output.headroom_bits,
     }
+    for name, stats in (("activations", record.activations), ("output", record.output)):
+        if stats is not None:
+            numbers[f"{name}.max_abs"] = stats.max_abs
+            numbers[f"{name}.headroom_bits"] = stats.headroom_bits
     for name, value in numbers.items():
         if value is not None and not math.isfinite(value):
             raise TelemetryLineError("INVALID_FIELD", f"{name} is {value}: not finite")
@@ -425,9 +453,13 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
             d["held"],
         )
         bundle, warnings, loss_class = d["bundle"], d["warnings"], d["loss_class"]
-        headroom_from = d.get("grad_headroom_from")
-        if d.get("weight_norm") is not None or d.get("output") is not None:
-            return None  # the appended early-warning fields: read by _checked_record
+        headroom_from, lr = d.get("grad_headroom_from"), d.get("lr")
+        if (
+            d.get("weight_norm") is not None
+            or d.get("output") is not None
+            or d.get("activations") is not None
+        ):
+            return None  # the appended objects and norms: read by _checked_record
         nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
         dtype, headroom, norm = g["dtype"], g["headroom_bits"], g["norm"]
     except (KeyError, TypeError):
@@ -449,6 +481,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         or (dtype is not none and (type(dtype) is not str or not 0 < len(dtype) <= 32))
         or (bundle is not none and type(bundle) is not str)
         or (headroom_from is not none and headroom_from not in HEADROOM_SOURCES)
+        or (lr is not none and type(lr) is not float_)
     ):  # fmt: skip
         return None
     update = None if u is None else _common_update(u)
@@ -462,7 +495,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         "run_id": run_id, "rank": rank, "world_size": world, "step": step, "time": when,
         "loss": loss, "loss_class": "finite", "grad": grad, "update": update, "scale": scale,
         "found_inf": found_inf, "skipped": skipped, "held": held, "warnings": (), "bundle": bundle,
-        "grad_headroom_from": headroom_from,
+        "activations": None, "lr": lr, "grad_headroom_from": headroom_from,
         "weight_norm": None, "output": None,
     })  # fmt: skip
 
@@ -543,7 +576,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An uneventful line, decoded by :data:`COMMON_LINE` (rank < world_size is
     still to be checked: msgspec does not relate two fields)."""
 
-    format: Literal["nanrunbook-telemetry/1"]
+    format: TelemetryFormat
     run_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     rank: _Count
     world_size: _Count
@@ -563,7 +596,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # a line eventful enough for the full parse.
     activations: None = None
     lr: float | None = None
-    grad_headroom_from: Literal["max_abs", "tensor_norm", "total_norm"] | None = None
+    grad_headroom_from: HeadroomSource | None = None
     weight_norm: float | None = None
     output: CommonOutput | None = None
 
@@ -620,24 +653,28 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
         bundle,
         headroom_from,
         _number(document, "weight_norm") if "weight_norm" in document else None,
-        _output(document.get("output")),
+        _extremes(document.get("output"), "output"),
+        activations=_extremes(document.get("activations"), "activations"),
+        lr=_number(document, "lr") if "lr" in document else None,
     )
 
 
-def _output(document: Any) -> OutputStats | None:
-    """The appended ``output`` object (null or absent: None)."""
+def _extremes(document: Any, name: str) -> ActivationStats | None:
+    """The appended ``activations`` or ``output`` object (null or absent: None)."""
     if document is None:
         return None
     if type(document) is not dict:
-        raise _invalid("output", "expected an object or null")
+        raise _invalid(name, "expected an object or null")
+    where = document.get("where")
+    if where is not None and type(where) is not str:
+        raise _invalid(f"{name}.where", "expected a name or null")
     dtype = document.get("dtype")
     if dtype is not None and (type(dtype) is not str or not 0 < len(dtype) <= 32):
-        raise _invalid("output.dtype", "expected a dtype name or null")
+        raise _invalid(f"{name}.dtype", "expected a dtype name or null")
     nonfinite = document.get("nonfinite", [])
     if type(nonfinite) is not list or not all(type(n) is str for n in nonfinite):
-        raise _invalid("output.nonfinite", "expected a list of names")
-    max_abs = _number(document, "max_abs", where="output.") if "max_abs" in document else None
-    bits = (
-        _number(document, "headroom_bits", where="output.") if "headroom_bits" in document else None
-    )
-    return OutputStats(max_abs, dtype, bits, bool(nonfinite))
+        raise _invalid(f"{name}.nonfinite", "expected a list of names")
+    prefix = name + "."
+    max_abs = _number(document, "max_abs", where=prefix) if "max_abs" in document else None
+    bits = _number(document, "headroom_bits", where=prefix) if "headroom_bits" in document else None
+    return ActivationStats(max_abs, where, dtype, bits, tuple(nonfinite))

@@ -19,6 +19,7 @@ _INF = math.inf
 
 # Column positions in a bucket's working list.
 _FIRST, _LAST, _N, _LMIN, _LMAX, _GMAX, _HMIN, _SMIN, _SMAX, _SKIP, _HELD, _NONF = range(12)
+_NMAX, _RMIN, _RMAX, _CMIN = range(12, 16)  # appended: grad norm, lr, compute headroom
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,16 @@ class SeriesBucket:
     skipped: int
     held: int
     nonfinite: int  # steps with a non-finite loss, gradient or update the scaler did not absorb
+    grad_norm_max: float | None = None
+    lr_min: float | None = None
+    lr_max: float | None = None
+    # the least headroom of the reduced-precision compute (model output,
+    # sampled activations) to its own dtype's max, in bits
+    compute_headroom_min: float | None = None
 
 
 def _new(step: int) -> list[float]:
-    return [step, step, 0, _INF, -_INF, -_INF, _INF, _INF, -_INF, 0, 0, 0]
+    return [step, step, 0, _INF, -_INF, -_INF, _INF, _INF, -_INF, 0, 0, 0, -_INF, _INF, -_INF, _INF]
 
 
 def _merge(a: list[float], b: list[float]) -> list[float]:
@@ -57,6 +64,10 @@ def _merge(a: list[float], b: list[float]) -> list[float]:
         a[_SKIP] + b[_SKIP],
         a[_HELD] + b[_HELD],
         a[_NONF] + b[_NONF],
+        max(a[_NMAX], b[_NMAX]),
+        min(a[_RMIN], b[_RMIN]),
+        max(a[_RMAX], b[_RMAX]),
+        min(a[_CMIN], b[_CMIN]),
     ]
 
 
@@ -85,6 +96,9 @@ class Downsampler:
         skipped: bool = False,
         held: bool = False,
         nonfinite: bool = False,
+        grad_norm: float | None = None,
+        lr: float | None = None,
+        compute_headroom: float | None = None,
     ) -> None:
         bucket = self._buckets[-1] if self._room else self._start(step)
         self._room -= 1
@@ -109,6 +123,15 @@ class Downsampler:
             bucket[_SKIP] += skipped
             bucket[_HELD] += held
             bucket[_NONF] += nonfinite
+        if grad_norm is not None and grad_norm > bucket[_NMAX]:
+            bucket[_NMAX] = grad_norm
+        if lr is not None:
+            if lr < bucket[_RMIN]:
+                bucket[_RMIN] = lr
+            if lr > bucket[_RMAX]:
+                bucket[_RMAX] = lr
+        if compute_headroom is not None and compute_headroom < bucket[_CMIN]:
+            bucket[_CMIN] = compute_headroom
 
     def extend(
         self,
@@ -117,6 +140,9 @@ class Downsampler:
         grad_max_abs: list[float | None],
         headroom: list[float | None],
         scales: list[float | None],
+        grad_norms: list[float | None] | None = None,
+        lrs: list[float | None] | None = None,
+        compute_headroom: list[float | None] | None = None,
     ) -> None:
         """As :meth:`add` for each record in turn (none skipped, held or
         non-finite), a bucket's share at a time with min() and max()."""
@@ -132,8 +158,12 @@ class Downsampler:
                 (grad_max_abs, None, _GMAX),
                 (headroom, _HMIN, None),
                 (scales, _SMIN, _SMAX),
+                (grad_norms, None, _NMAX),
+                (lrs, _RMIN, _RMAX),
+                (compute_headroom, _CMIN, None),
             ):
-                _fold(bucket, column[done:end], low, high)
+                if column is not None:
+                    _fold(bucket, column[done:end], low, high)
             done = end
 
     def _start(self, step: int) -> list[float]:
@@ -165,6 +195,10 @@ class Downsampler:
                 int(b[_SKIP]),
                 int(b[_HELD]),
                 int(b[_NONF]),
+                _finite(b[_NMAX]),
+                _finite(b[_RMIN]),
+                _finite(b[_RMAX]),
+                _finite(b[_CMIN]),
             )
             for b in self._buckets
         )

@@ -22,7 +22,8 @@ The numbers the scalar sinks send have one set of names, :func:`scalars`:
   several processes appending to one file on a local file system never
   interleave, and a reader never sees half a line followed by another line. A
   record that would not read back (a NaN where a finite number is required) is
-  refused with TelemetryLineError before anything is written. ``fsync=True``
+  refused with TelemetryLineError before anything is written; a write that
+  fails part-way (a full disk) is cut back off the file and raises. ``fsync=True``
   makes every line durable before ``emit`` returns (one fsync per step).
 * :class:`LoggingSink` logs one INFO line per record (every ``every``-th
   record; warnings and holds always), each warning at WARNING and a held
@@ -118,17 +119,34 @@ class JsonlSink(_Closing):
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"telemetry sink for {self.path} is closed")
+            fd = self._fd
+            size = os.fstat(fd).st_size
             view = memoryview(line)
-            while view:  # a short write (a full disk, a signal) is finished, not dropped
-                view = view[os.write(self._fd, view) :]
+            try:
+                while view:  # a short write (a signal) is finished, not dropped
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                _cut_back(fd, size, len(line) - len(view))
+                raise
             if self.fsync:
-                os.fsync(self._fd)
+                os.fsync(fd)
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _cut_back(fd: int, size: int, written: int) -> None:
+    """After a write that failed part-way (a full disk): the part written is
+    cut off the file, so a reader never sees half a line; only when the file
+    ends with it (another process's line after it is left alone)."""
+    try:
+        if written and os.fstat(fd).st_size == size + written:
+            os.ftruncate(fd, size)
+    except OSError:
+        pass
 
 
 class LoggingSink(_Closing):

@@ -25,6 +25,17 @@ documented in nanrunbook(1), WATCH):
   the sentinel's own rule and default limits (``nanrunbook.telemetry._early``),
   from the loss, ``grad.norm`` and ``weight_norm`` series, where the lines
   lack them (a file from an older sentinel gets them too).
+
+Records of several ranks (one file, or a job's files merged by step) make one
+summary: a held, skipped or non-finite step counts once however many ranks
+record it, and the first non-finite step names its origin ranks by the rule of
+an incident set (spec section 11): the ranks whose part went non-finite at the
+earliest stage (loss, then gradients, then the update) at that step.
+
+Beside the gradients' headroom it keeps the *compute headroom*: the headroom of
+the reduced-precision values themselves (the model's ``output`` every step,
+the sampled ``activations``) to their own dtype's max, which under float16
+autocast is the tighter one; and the last step activations were sampled.
 """
 
 from __future__ import annotations
@@ -36,10 +47,13 @@ from typing import Literal, cast
 
 import orjson
 
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.exits import Exit
+from nanrunbook.records import origin_of
 from nanrunbook.telemetry._early import DEFAULT_LIMITS, SIGNALS, Divergence
 from nanrunbook.telemetry.reader import BadLine, IncompleteLine
 from nanrunbook.telemetry.record import (
+    ActivationStats,
     CommonLine,
     CommonOutput,
     TelemetryRecord,
@@ -52,12 +66,16 @@ from nanrunbook.telemetry.trend import SlidingTrend
 __all__ = [
     "DERIVED_CODES",
     "WATCH_FORMAT",
+    "ActivationSample",
+    "ComputeHeadroom",
     "HeadroomTrend",
     "NonFiniteStep",
     "Occurrences",
+    "RankRow",
     "ScaleSummary",
     "Streak",
     "Summariser",
+    "ValueRange",
     "WarningTally",
     "WatchEvent",
     "WatchSummary",
@@ -115,9 +133,29 @@ class WarningTally:
 
 @dataclass(frozen=True, slots=True)
 class NonFiniteStep:
+    """The first step with a non-finite part, and the ranks it began on."""
+
     step: int
+    rank: int  # the first origin rank
+    part: str  # its part: loss:nan, grad:posinf, update:neginf...
+    origin_ranks: tuple[int, ...] = ()  # the ranks at the earliest stage (spec section 11)
+    origin: str = "ONE_RANK"  # ONE_RANK, SOME_RANKS or ALL_RANKS
+    parts: tuple[tuple[int, str], ...] = ()  # (rank, part) of every rank non-finite there
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    """One rank's share of the records."""
+
     rank: int
-    part: str  # loss:nan, grad:posinf, update:neginf...
+    records: int
+    first_step: int | None
+    last_step: int | None
+    holds: int
+    skips: int
+    nonfinite: int
+    first_nonfinite: str | None  # "STEP PART"
+    warnings: int  # warning occurrences the lines carry
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +189,44 @@ class HeadroomTrend:
         if slope is None or abs(slope) * max(1, self.last_step - self.first_step) < 1.0:
             return "steady"  # less than a bit over the window
         return "falling" if slope < 0 else "rising"
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRange:
+    """A recorded value over the records: the first, the last, the least, the most."""
+
+    first: float
+    last: float
+    min: float
+    max: float
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeHeadroom:
+    """Headroom of the reduced-precision compute to its own dtype's max, in
+    bits: the least of the model's output and the sampled activations, at the
+    last record that had one and at its least."""
+
+    dtype: str
+    where: str  # output, act/<module> or probe/<name>
+    step: int
+    rank: int
+    bits: float  # 0 when non-finite
+    nonfinite: bool  # the values held a NaN or infinity at that step
+    min_bits: float  # the least over finite values (non-finite only while none was)
+    min_step: int
+    min_where: str
+    min_dtype: str
+    min_nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationSample:
+    """The last record with sampled activations: its step, rank and extremes."""
+
+    step: int
+    rank: int
+    activations: ActivationStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +278,11 @@ class WatchSummary:
     series: tuple[SeriesBucket, ...]
     rotations: int
     truncations: int
+    learning_rate: ValueRange | None = None  # the first parameter group's lr
+    compute_headroom: ComputeHeadroom | None = None
+    activations_sampled: ActivationSample | None = None
+    files: tuple[str, ...] = ()  # the files of a job read together (none: one file)
+    rank_rows: tuple[RankRow, ...] = ()  # per rank, in rank order
 
     @property
     def first_warning_step(self) -> int | None:
@@ -228,17 +309,29 @@ class WatchSummary:
         return Exit.CONTINUE
 
 
-class _Seen:
-    """Occurrences being counted."""
+_RECENT_STEPS = 256  # steps whose ranks a _Seen remembers, to count a step once
 
-    __slots__ = ("count", "last", "steps")
+
+class _Seen:
+    """Occurrences being counted, once per step: another rank's record of a
+    step counted lately is not counted again (the same rank's, a resume, is)."""
+
+    __slots__ = ("count", "last", "recent", "steps")
 
     def __init__(self) -> None:
         self.count = 0
         self.steps: list[int] = []
         self.last: int | None = None
+        self.recent: dict[int, set[int]] = {}
 
-    def add(self, step: int) -> None:
+    def add(self, step: int, rank: int = 0) -> None:
+        ranks = self.recent.get(step)
+        if ranks is not None and rank not in ranks:
+            ranks.add(rank)
+            return
+        self.recent[step] = {rank}
+        if len(self.recent) > _RECENT_STEPS:
+            del self.recent[next(iter(self.recent))]
         self.count += 1
         self.last = step
         if len(self.steps) < STEPS_KEPT:
@@ -288,10 +381,28 @@ class _Rank:
     """What one rank's previous records leave for the next one."""
 
     __slots__ = (
-        "backoffs", "divergence", "dtype", "falling", "scale", "skips", "step", "trend",
+        "backoffs",
+        "divergence",
+        "dtype",
+        "falling",
+        "first_nonfinite",
+        "first_step",
+        "held",
+        "nonfinite",
+        "records",
+        "scale",
+        "skipped",
+        "skips",
+        "step",
+        "trend",
+        "warnings",
     )  # fmt: skip
 
     def __init__(self, window: int) -> None:
+        self.records = 0
+        self.first_step: int | None = None
+        self.held = self.skipped = self.nonfinite = self.warnings = 0
+        self.first_nonfinite: str | None = None
         self.divergence = {signal: Divergence(DEFAULT_LIMITS[signal]) for signal in SIGNALS}
         self.step: int | None = None
         self.scale: float | None = None
@@ -303,6 +414,8 @@ class _Rank:
 
 
 _OVERFLOW_RANK = -1  # ranks beyond MAX_RANKS share this state
+# The stage (records.STAGE_ORDER) of each part a record can have non-finite.
+_PART_STAGES = {"loss": "loss", "grad": "backward", "update": "optimizer"}
 
 _RANK, _WORLD, _STEP, _SCALE = (attrgetter(n) for n in ("rank", "world_size", "step", "scale"))
 _RUN_ID, _BUNDLE, _LOSS, _GRAD = (attrgetter(n) for n in ("run_id", "bundle", "loss", "grad"))
@@ -310,6 +423,15 @@ _HEADROOM, _MAX_ABS = attrgetter("headroom_bits"), attrgetter("max_abs")
 # What a headroom that is a lower bound was taken from (grad_headroom_from).
 _BOUNDS = {"tensor_norm": "largest per-tensor L2 norm", "total_norm": "total gradient norm"}
 _NORM, _WEIGHT_NORM, _OUTPUT = (attrgetter(n) for n in ("norm", "weight_norm", "output"))
+
+
+_LR = attrgetter("lr")
+
+
+def _extreme_bits(stats: ActivationStats | CommonOutput) -> float | None:
+    """An output or activations extreme's headroom, given or derived."""
+    bits = stats.headroom_bits
+    return bits if bits is not None else headroom_bits(stats.max_abs, stats.dtype)
 
 
 def _output_plain(output: CommonOutput) -> bool:
@@ -358,11 +480,17 @@ class Summariser:
     """Feed records in file order; ask for the summary at any time."""
 
     def __init__(
-        self, path: str = "", *, since: int | None = None, window: int = DEFAULT_WINDOW
+        self,
+        path: str = "",
+        *,
+        since: int | None = None,
+        window: int = DEFAULT_WINDOW,
+        files: tuple[str, ...] = (),
     ) -> None:
         if window < TREND_MIN_POINTS:
             raise ValueError(f"the window must hold at least {TREND_MIN_POINTS} records")
         self.path = path
+        self.files = files  # a job's files read together, when more than one
         self.since = since
         self.window = window
         self.records = 0
@@ -384,10 +512,14 @@ class Summariser:
         self._skip_best: Streak | None = None
         self._backoff_best: Streak | None = None
         self._scale: list[float] | None = None  # first, last, min, max
-        self._first_nonfinite: NonFiniteStep | None = None
+        self._first_nonfinite_step: int | None = None
+        self._first_parts: dict[int, str] = {}  # rank: part, at the first non-finite step
         self._tallies: dict[str, _Tally] = {}
         self._bundles: dict[str, None] = {}
         self._series = Downsampler()
+        self._lr: list[float] | None = None  # first, last, min, max
+        self._compute: ComputeHeadroom | None = None
+        self._activations: ActivationSample | None = None
 
     # ------------------------------------------------------------ feeding
 
@@ -403,9 +535,12 @@ class Summariser:
         self._scaler(record, state)
         part = record.nonfinite_part()
         if part is not None:
-            self._record_nonfinite(record, part, events)
+            self._record_nonfinite(record, part, state, events)
+        state.records += 1
+        state.warnings += len(record.warnings)
         if record.held:
-            self._holds.add(step)
+            self._holds.add(step, record.rank)
+            state.held += 1
             where = f"; bundle {record.bundle}" if record.bundle else ""
             message = f"the sentinel held the update (rank {record.rank}){where}"
             events.append(WatchEvent("hold", message, step=step))
@@ -415,7 +550,11 @@ class Summariser:
             self._warn(warning.code, step, warning.message, "telemetry", events)
         bits = self._derived_warnings(record, state, events)
         self._divergence(record, state, events)
-        grad = record.grad
+        grad, lr = record.grad, record.lr
+        if lr is not None:
+            self._lr_seen(lr)
+        if record.activations is not None:
+            self._activations = ActivationSample(step, record.rank, record.activations)
         self._series.add(
             step,
             record.loss,
@@ -425,6 +564,9 @@ class Summariser:
             record.skipped,
             record.held,
             part is not None,
+            grad.norm,
+            lr,
+            self._compute_seen(record),
         )
         state.step = step
         self._last, self._last_raw = record, None
@@ -456,6 +598,7 @@ class Summariser:
         for detector, value in zip(detectors, signals, strict=True):
             detector.add(step, value)
         self.records += 1
+        state.records += 1
         if line.run_id not in self._run_ids and len(self._run_ids) < MAX_RUN_IDS:
             self._run_ids[line.run_id] = None
         if line.world_size > self._world_size:  # type: ignore[operator]  # set by add(), first
@@ -471,7 +614,16 @@ class Summariser:
             self._bundles[bundle] = None
         if bits is not None:
             self._trend(state, step, bits, grad.dtype or "unknown dtype", None)
-        self._series.add(step, line.loss, grad.max_abs, bits, scale)
+        lr, output = line.lr, line.output
+        if lr is not None:
+            self._lr_seen(lr)
+        compute = None
+        if output is not None and (compute := _extreme_bits(output)) is not None:
+            self._compute_point(step, rank, compute, "output", output.dtype or "unknown dtype")
+        self._series.add(
+            step, line.loss, grad.max_abs, bits, scale, grad_norm=grad.norm, lr=lr,
+            compute_headroom=compute,
+        )  # fmt: skip
         state.step = step
         self._last, self._last_raw = None, raw
         return True
@@ -487,6 +639,7 @@ class Summariser:
         if state is None or run is None:
             return False
         self.records += len(lines)
+        state.records += len(lines)
         for detector, values in zip(state.divergence.values(), run.signals, strict=True):
             detector.extend(run.steps, values)
         for run_id in dict.fromkeys(map(_RUN_ID, lines)):
@@ -507,7 +660,12 @@ class Summariser:
             state.trend.extend(run.steps, cast("list[float]", bits))
             state.falling = False
         losses, max_abs = list(map(_LOSS, lines)), list(map(_MAX_ABS, run.grads))
-        self._series.extend(run.steps, losses, max_abs, bits, scales)
+        lrs = list(map(_LR, lines))
+        for lr in lrs:
+            if lr is not None:
+                self._lr_seen(lr)
+        compute = self._compute_run(lines, run.steps)
+        self._series.extend(run.steps, losses, max_abs, bits, scales, run.signals[1], lrs, compute)
         state.step = run.steps[-1]
         self._last, self._last_raw = None, last_raw
         return True
@@ -592,6 +750,8 @@ class Summariser:
         if state is None:
             key = record.rank if len(self._ranks) < MAX_RANKS else _OVERFLOW_RANK
             state = self._ranks.setdefault(key, _Rank(self.window))
+            if state.first_step is None:
+                state.first_step = record.step
         if state.step is not None and record.step < state.step:
             self._regressions += 1
         return state
@@ -599,9 +759,10 @@ class Summariser:
     def _scaler(self, record: TelemetryRecord, state: _Rank) -> None:
         step, rank, scale, skipped = record.step, record.rank, record.scale, record.skipped
         if skipped:
-            self._skips.add(step)
+            self._skips.add(step, rank)
+            state.skipped += 1
             if record.found_inf is True:
-                self._overflows.add(step)
+                self._overflows.add(step, rank)
         if skipped or state.skips.length:  # a streak to extend or to end
             self._skip_best = state.skips.extend(skipped, step, rank, self._skip_best)
         if scale is not None:
@@ -610,7 +771,7 @@ class Summariser:
     def _scale_seen(self, state: _Rank, scale: float, step: int, rank: int) -> None:
         backoff = state.scale is not None and scale < state.scale
         if backoff:
-            self._backoffs.add(step)
+            self._backoffs.add(step, rank)
         if backoff or state.backoffs.length:
             self._backoff_best = state.backoffs.extend(backoff, step, rank, self._backoff_best)
         state.scale = scale
@@ -624,15 +785,105 @@ class Summariser:
         elif scale > kept[3]:
             kept[3] = scale
 
-    def _record_nonfinite(
-        self, record: TelemetryRecord, part: str, events: list[WatchEvent]
+    def _lr_seen(self, lr: float) -> None:
+        kept = self._lr
+        if kept is None:
+            self._lr = [lr, lr, lr, lr]
+            return
+        kept[1] = lr
+        if lr < kept[2]:
+            kept[2] = lr
+        elif lr > kept[3]:
+            kept[3] = lr
+
+    def _compute_seen(self, record: TelemetryRecord) -> float | None:
+        """The record's compute headroom (the least of its output and sampled
+        activations) into the summary; returns it."""
+        least: tuple[float, str, str | None, bool] | None = None
+        for stats, name in ((record.output, "output"), (record.activations, "activations")):
+            if stats is None:
+                continue
+            bits, where, nonfinite = _extreme_bits(stats), stats.where or name, False
+            if stats.nonfinite:  # it overflowed (or went NaN): no headroom left
+                bits, where, nonfinite = 0.0, stats.nonfinite[0], True
+            if bits is not None and (least is None or bits < least[0]):
+                least = (bits, where, stats.dtype, nonfinite)
+        if least is None:
+            return None
+        bits, where, dtype, nonfinite = least
+        if dtype is None:  # a non-finite output has no finite value to name its dtype
+            dtype = "unknown dtype" if self._compute is None else self._compute.dtype
+        self._compute_point(record.step, record.rank, bits, where, dtype, nonfinite)
+        return bits
+
+    def _compute_run(self, lines: list[CommonLine], steps: list[int]) -> list[float | None] | None:
+        """For add_lines: each line's output headroom into the summary (None
+        when no line has an output)."""
+        outputs = list(map(_OUTPUT, lines))
+        if outputs.count(None) == len(outputs):
+            return None
+        found: list[float | None] = []
+        for line, step, output in zip(lines, steps, outputs, strict=True):
+            bits = None if output is None else _extreme_bits(output)
+            if output is not None and bits is not None:
+                self._compute_point(
+                    step, line.rank, bits, "output", output.dtype or "unknown dtype"
+                )
+            found.append(bits)
+        return found
+
+    def _compute_point(
+        self, step: int, rank: int, bits: float, where: str, dtype: str, nonfinite: bool = False
     ) -> None:
-        self._nonfinite.add(record.step)
-        if self._first_nonfinite is None:
-            self._first_nonfinite = NonFiniteStep(record.step, record.rank, part)
+        """A compute headroom; the least is kept over finite values (a
+        non-finite one only until a finite one is seen), so the approach to
+        the max stays on screen after the overflow."""
+        kept = self._compute
+        if kept is None or (not nonfinite and (kept.min_nonfinite or bits < kept.min_bits)):
+            least = (bits, step, where, dtype, nonfinite)
+        else:
+            least = (
+                kept.min_bits,
+                kept.min_step,
+                kept.min_where,
+                kept.min_dtype,
+                kept.min_nonfinite,
+            )
+        self._compute = ComputeHeadroom(dtype, where, step, rank, bits, nonfinite, *least)
+
+    def _record_nonfinite(
+        self, record: TelemetryRecord, part: str, state: _Rank, events: list[WatchEvent]
+    ) -> None:
+        step, rank = record.step, record.rank
+        self._nonfinite.add(step, rank)
+        state.nonfinite += 1
+        if state.first_nonfinite is None:
+            state.first_nonfinite = f"{step} {part}"
+        first = self._first_nonfinite_step
+        if first is None or step < first:  # a job's files may be read out of step order
+            self._first_nonfinite_step, self._first_parts = step, {rank: part}
+        elif step == first:
+            self._first_parts.setdefault(rank, part)
         what, kind = part.split(":")
         message = f"non-finite {what} ({kind}) on rank {record.rank}"
         events.append(WatchEvent("nonfinite", message, step=record.step, code=part))
+
+    def _origin(self) -> NonFiniteStep | None:
+        """The first non-finite step and its origin: the ranks whose part is at
+        the earliest stage there (loss, then gradients, then the update), as an
+        incident set names its origin ranks."""
+        step, parts = self._first_nonfinite_step, self._first_parts
+        if step is None:
+            return None
+        stages = {
+            rank: STAGE_ORDER.index(_PART_STAGES[p.split(":")[0]]) for rank, p in parts.items()
+        }
+        earliest = min(stages.values())
+        ranks = tuple(sorted(rank for rank, index in stages.items() if index == earliest))
+        origin = origin_of(ranks, self._world_size)
+        return NonFiniteStep(
+            step, ranks[0], parts[ranks[0]], ranks, origin, tuple(sorted(parts.items()))
+        )
 
     def _warn(
         self, code: str, step: int, message: str, source: Source, events: list[WatchEvent] | None
@@ -781,7 +1032,7 @@ class Summariser:
             scaler_overflows=self._overflows.frozen(),
             scale=self._scale_summary(),
             nonfinite=self._nonfinite.frozen(),
-            first_nonfinite=self._first_nonfinite,
+            first_nonfinite=self._origin(),
             warnings=tuple(t.frozen() for t in tallies),
             headroom=self._headroom(),
             bundles=tuple(self._bundles),
@@ -789,4 +1040,26 @@ class Summariser:
             series=self._series.buckets(),
             rotations=self.rotations,
             truncations=self.truncations,
+            learning_rate=None if self._lr is None else ValueRange(*self._lr),
+            compute_headroom=self._compute,
+            activations_sampled=self._activations,
+            files=self.files,
+            rank_rows=self._rank_rows(),
+        )
+
+    def _rank_rows(self) -> tuple[RankRow, ...]:
+        return tuple(
+            RankRow(
+                rank,
+                state.records,
+                state.first_step,
+                state.step,
+                state.held,
+                state.skipped,
+                state.nonfinite,
+                state.first_nonfinite,
+                state.warnings,
+            )
+            for rank, state in sorted(self._ranks.items())
+            if rank != _OVERFLOW_RANK
         )

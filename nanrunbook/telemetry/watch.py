@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from nanrunbook.telemetry._job import JobFollower, job_files, merged
 from nanrunbook.telemetry.follow import Follower, FollowNotice
 from nanrunbook.telemetry.reader import (
     BadLine,
@@ -20,7 +21,14 @@ from nanrunbook.telemetry.reader import (
 from nanrunbook.telemetry.record import COMMON_LINE, CommonLine, TelemetryRecord
 from nanrunbook.telemetry.summary import DEFAULT_WINDOW, Summariser, WatchEvent, WatchSummary
 
-__all__ = ["FollowInterrupted", "consume", "count_lines", "follow", "summarise_file"]
+__all__ = [
+    "FollowInterrupted",
+    "consume",
+    "count_lines",
+    "follow",
+    "summarise_file",
+    "summarise_job",
+]
 
 
 class FollowInterrupted(KeyboardInterrupt):
@@ -46,6 +54,28 @@ def summarise_file(
     elif ending is not None:
         consume(summariser, ending)
     return summariser.summary(lines=reader.lines)
+
+
+def summarise_job(
+    paths: Sequence[Path], *, since: int | None = None, window: int = DEFAULT_WINDOW
+) -> WatchSummary:
+    """The summary of a job's telemetry: ``paths`` (files, or a run directory
+    standing for its ``telemetry*.jsonl`` files) read as one stream merged by
+    step, record by record. One file is :func:`summarise_file`'s. Raises
+    TelemetryUnreadable when a path cannot be read."""
+    files = job_files(paths)
+    if len(files) == 1:
+        return summarise_file(files[0], since=since, window=window)
+    label = str(paths[0]) if len(paths) == 1 else ", ".join(map(str, paths))
+    names = tuple(str(f) for f in files)
+    summariser = Summariser(label, since=since, window=window, files=names)
+    readers = [TelemetryReader(f) for f in files]
+    for item in merged(readers):
+        if isinstance(item, IncompleteLine):
+            summariser.add_incomplete(item)
+        else:
+            consume(summariser, item)
+    return summariser.summary(lines=sum(r.lines for r in readers))
 
 
 def count_lines(summariser: Summariser, pieces: list[tuple[int, bytes] | BadLine]) -> None:
@@ -121,6 +151,7 @@ def follow(
     wait_for_file: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    paths: Sequence[Path] | None = None,
 ) -> WatchSummary:
     """Summarise ``summariser.path`` as it grows, calling ``on_event`` for what
     happens after the lines already there (those are counted quietly, then one
@@ -130,9 +161,19 @@ def follow(
     never: Ctrl-C raises FollowInterrupted, which carries the summary of
     everything read. A file that does not exist yet is waited for, as
     ``tail -F`` does, for at most ``wait_for_file`` seconds (then
-    TelemetryUnreadable)."""
+    TelemetryUnreadable). With ``paths`` (a job's files, or its run directory)
+    every file is followed, merged by step."""
+
+    def opened() -> Follower | JobFollower:
+        given = Path(summariser.path)
+        if paths is None and not given.is_dir():
+            return Follower(given)
+        return JobFollower(paths or [given])  # a run directory that appeared while waited for
+
     try:
-        follower = _when_it_exists(summariser, on_event, wait_for_file, poll_interval, clock, sleep)
+        follower = _when_it_exists(
+            summariser, opened, on_event, wait_for_file, poll_interval, clock, sleep
+        )
     except KeyboardInterrupt:
         raise FollowInterrupted(summariser.summary(lines=0)) from None
     try:
@@ -155,30 +196,39 @@ def follow(
                     stop = on_event(event) is False or stop
                 stop = stop or _reached(item, until_step)
     except KeyboardInterrupt:
-        summariser.add_incomplete(follower.incomplete())
+        _ending(summariser, follower)
         raise FollowInterrupted(summariser.summary(lines=follower.lines)) from None
     finally:
         follower.close()
-    summariser.add_incomplete(follower.incomplete())
+    _ending(summariser, follower)
     return summariser.summary(lines=follower.lines)
+
+
+def _ending(summariser: Summariser, follower: Follower | JobFollower) -> None:
+    summariser.add_incomplete(follower.incomplete())
+    if isinstance(follower, JobFollower) and len(follower.followers) > 1:
+        summariser.files = follower.files
 
 
 def _when_it_exists(
     summariser: Summariser,
+    opened: Callable[[], Follower | JobFollower],
     on_event: Callable[[WatchEvent], bool | None],
     bound: float,
     poll_interval: float,
     clock: Callable[[], float],
     sleep: Callable[[float], None],
-) -> Follower:
-    """A Follower of ``summariser.path`` once the file exists, within ``bound`` seconds."""
+) -> Follower | JobFollower:
+    """``opened()`` once the files exist, within ``bound`` seconds (a run
+    directory: once it holds a telemetry file)."""
     started = clock()
     said = False
     while True:
         try:
-            return Follower(summariser.path)
+            return opened()
         except TelemetryUnreadable:
-            if not bound or Path(summariser.path).exists() or Path(summariser.path).is_symlink():
+            given = Path(summariser.path)
+            if not bound or (given.exists() and not given.is_dir()) or given.is_symlink():
                 raise
             waited = clock() - started
             if waited >= bound:
@@ -186,8 +236,9 @@ def _when_it_exists(
                     f"{summariser.path}: no such file after waiting {bound:g} s for it"
                 ) from None
             if not said:
+                missing = "holds no telemetry file" if given.is_dir() else "does not exist"
                 message = (
-                    f"{summariser.path} does not exist yet; waiting up to {bound:g} s for it"
+                    f"{summariser.path} {missing} yet; waiting up to {bound:g} s for it"
                     " (--wait-for-file; Ctrl-C to stop)"
                 )
                 said = True
@@ -200,6 +251,6 @@ def _reached(item: Item, until_step: int | None) -> bool:
     return until_step is not None and isinstance(item, TelemetryRecord) and item.step >= until_step
 
 
-def _following(follower: Follower, summariser: Summariser) -> str:
+def _following(follower: Follower | JobFollower, summariser: Summariser) -> str:
     read = f"read {follower.lines} lines, {summariser.records} records of {follower.path}"
     return f"{read}; waiting for new lines (Ctrl-C to stop)"

@@ -52,6 +52,24 @@ def watch_document(summary: WatchSummary) -> dict[str, Any]:
         "rotations": summary.rotations,
         "truncations": summary.truncations,
         "series": [asdict(bucket) for bucket in summary.series],
+        "learning_rate": _maybe(summary.learning_rate),
+        "compute_headroom": _maybe(summary.compute_headroom),
+        "activations_sampled": _sampled(summary),
+        "files": list(summary.files),
+        "rank_rows": [asdict(row) for row in summary.rank_rows],
+    }
+
+
+def _sampled(summary: WatchSummary) -> dict[str, Any] | None:
+    sample = summary.activations_sampled
+    if sample is None:
+        return None
+    stats = sample.activations
+    return {
+        "step": sample.step,
+        "rank": sample.rank,
+        **asdict(stats),
+        "nonfinite": list(stats.nonfinite),
     }
 
 

@@ -22,11 +22,12 @@ from nanrunbook.contract import (
     HOLD,
     NO_NONFINITE_ACTION,
     ROOT_CAUSE_CLAIM,
+    STAGE_ORDER,
 )
 from nanrunbook.errors import Violation
 from nanrunbook.exits import Exit
 from nanrunbook.manifest.declared import Declared
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.records import origin_of
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report, path_text, rejection_document, report_document
 
@@ -388,13 +389,7 @@ def _origin(holds: Sequence[SetMember], world_size: int | None) -> tuple[str, tu
     ranks = tuple(
         sorted(m.rank for m in holds if m.earliest_nonfinite_stage == stage and m.rank is not None)
     )
-    if len(ranks) == 1:
-        origin = "ONE_RANK"
-    elif world_size is not None and world_size > 1 and len(ranks) == world_size:
-        origin = "ALL_RANKS"  # ranks are distinct and below world_size: all of them
-    else:
-        origin = "SOME_RANKS"
-    return stage, ranks, origin
+    return stage, ranks, origin_of(ranks, world_size)
 
 
 def set_document(result: IncidentSet) -> dict[str, Any]:

@@ -26,11 +26,10 @@ from typing import Any
 import orjson
 
 from nanrunbook.access import file_where
-from nanrunbook.contract import CONTINUE, CONTRACT_ID_PREFIX, HOLD, contract_content_id
+from nanrunbook.contract import CONTINUE, CONTRACT_ID_PREFIX, HOLD, STAGE_ORDER, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.declared import NOTHING_DECLARED, Declared
 from nanrunbook.manifest.fields import IDENTIFIER
-from nanrunbook.records import STAGE_ORDER
 from nanrunbook.strictjson import MAX_SAFE_INTEGER
 from nanrunbook.verdict.incident_set import (
     REJECTED,

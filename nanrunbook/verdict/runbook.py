@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.contract import STAGE_ORDER
 
 __all__ = ["SECTIONS", "STAGE_STEPS", "Section", "Step", "checklist", "find_step"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from nanrunbook.capture._changes import (
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch.replay._replay_step import replay_step
 from nanrunbook.capture.writer import BundleWriter
+from nanrunbook.contract import SCALE_RANGE, is_contract_scale
 
 __all__ = ["autocast_off", "replay_changed"]
 
@@ -194,9 +194,8 @@ def _loss_scale(
 ) -> _Plan:
     if scaler is None or not scaler.is_enabled():
         raise ValueError("another loss scale needs the step's enabled GradScaler (scaler=)")
-    mantissa, _ = math.frexp(scale) if math.isfinite(scale) else (0.0, 0)
-    if mantissa != 0.5 or not 2.0**-24 <= scale <= 2.0**24:
-        raise ValueError(f"a loss scale is a power of two in [2^-24, 2^24], not {scale!r}")
+    if not is_contract_scale(scale):
+        raise ValueError(f"a loss scale is {SCALE_RANGE}, not {scale!r}")
     before = scaler.get_scale()
     if scale == before:
         raise ValueError(f"the scaler's scale is already {scale:g}: nothing would change")

@@ -50,8 +50,8 @@ from nanrunbook.capture.torch.replay._binding import (
 )
 from nanrunbook.capture.torch.replay._recording import ForwardCapture, leaf
 from nanrunbook.capture.writer import BundleWriter
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.manifest.parse import BINDING_ITEMS
-from nanrunbook.records import STAGE_ORDER
 
 __all__ = [
     "REQUIRED_BINDING",

@@ -28,8 +28,8 @@ from nanrunbook.capture.torch.replay import (
     topology_binding,
 )
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.errors import EvidenceRejected
-from nanrunbook.records import STAGE_ORDER
 from nanrunbook.verdict.report import Report
 
 __all__ = ["Captured", "StepObjects", "capture_step"]

@@ -20,12 +20,11 @@ import torch
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import SentinelHold, incident_attempt
 from nanrunbook.capture.telemetry import (
-    Alert,
     EarlyWarnings,
-    StepTelemetry,
     TelemetryFile,
     Thresholds,
     divergence_alerts,
+    finite_or_none,
     headroom_bits,
     magnitude_alerts,
     norm_overflow_alerts,
@@ -42,6 +41,7 @@ from nanrunbook.capture.torch.sentinel._checks import (
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
+from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning
 
 __all__ = ["Decisions"]
 
@@ -76,7 +76,7 @@ class Decisions:
     _early: EarlyWarnings
     _snapshot: StateSnapshot | None
     _telemetry: TelemetryFile | None
-    _carry: list[Alert]
+    _carry: list[TelemetryWarning]
     _logged_codes: set[str]
     _sample_next: bool
 
@@ -128,7 +128,10 @@ class Decisions:
                 voted = vote is not None and float(vote.item()) > 0
         device = step.losses[0].device
         if failure is not None:
-            self._fail(failure, step, previous, device, voted)
+            try:
+                self._fail(failure, step, previous, device, voted)
+            finally:
+                del failure  # as in _fail: no cycle through the traceback
         proposal = self._propose(step, previous, outcome, update_ok, voted)
         agreed = self.ranks.agree(proposal, device) if voted else proposal
         if agreed.update and previous is not None:
@@ -156,7 +159,13 @@ class Decisions:
             attempt = agreed.previous_attempt if held is previous else agreed.attempt
             self.ranks.origin(None, None, self._incident_key(held, attempt))
         log.error("step %d: this rank could not check its step: %s", step.number, failure)
-        raise failure
+        try:
+            raise failure
+        finally:
+            # The error's traceback holds this frame: holding the error in turn
+            # would be a cycle that keeps the model (and its process group) alive
+            # until a garbage collection, perhaps none before interpreter shutdown.
+            del failure
 
     def _may_skip(self, skips: int = 1) -> bool:
         """The skip policy allows ``skips`` more skipped steps."""
@@ -573,24 +582,24 @@ class Decisions:
         if self._telemetry is None:
             return
         grad = step.grads.telemetry(self._grad_dtype)
-        record = StepTelemetry(
+        record = TelemetryRecord(
             run_id=self.facts.run_id,
             rank=self.ranks.rank,
             world_size=self.ranks.world_size,
             step=step.number,
             time=step.time,
             loss=step.loss,
-            loss_class=step.loss_class,  # type: ignore[arg-type]
+            loss_class=step.loss_class,
             grad=grad,
             update=step.update,
-            scale=step.scale,
+            scale=finite_or_none(step.scale),
             found_inf=step.grads.found_inf,
             skipped=skipped,
             held=held,
             warnings=tuple(warnings),
             bundle=str(bundle) if bundle is not None else None,
             activations=step.activations,
-            lr=step.lr,
+            lr=finite_or_none(step.lr),
             grad_headroom_from=step.grads.headroom_from(grad),
             weight_norm=step.weight_norm,
             output=step.output,

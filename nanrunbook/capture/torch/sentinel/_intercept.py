@@ -27,7 +27,7 @@ class Intercepts:
 
     def __init__(self) -> None:
         self._installed: list[tuple[Any, str, Any, bool, Any]] = []
-        self._classes: list[tuple[Any, type, type]] = []
+        self._classes: list[tuple[Any, type, type, str]] = []
 
     def wrap(self, obj: Any, name: str, handler: Handler) -> None:
         """``obj.<name>(*a, **k)`` becomes ``handler(original, *a, **k)``."""
@@ -58,7 +58,7 @@ class Intercepts:
         watched = type(cls.__name__, (cls,), {name: method, "__module__": cls.__module__})
         watched.__qualname__ = cls.__qualname__
         obj.__class__ = watched
-        self._classes.append((obj, cls, watched))
+        self._classes.append((obj, cls, watched, name))
 
     def remove(self) -> None:
         """Put back each original where the wrapper is still the one installed (a
@@ -72,7 +72,12 @@ class Intercepts:
             else:
                 delattr(obj, name)
         self._installed.clear()
-        for obj, cls, watched in reversed(self._classes):
+        for obj, cls, watched, name in reversed(self._classes):
             if type(obj) is watched:
                 obj.__class__ = cls
+                # A class lives in a reference cycle of its own: its method, which
+                # holds the sentinel, would keep the sentinel and the model (under
+                # DDP, the process group and its threads) until a garbage
+                # collection, perhaps none before interpreter shutdown.
+                delattr(watched, name)
         self._classes.clear()

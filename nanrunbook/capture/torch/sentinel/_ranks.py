@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,11 +31,38 @@ from typing import Any
 
 import torch
 
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.contract import STAGE_ORDER
 
 __all__ = ["ACTIONS", "EXCHANGE_TIMEOUT", "KINDS", "LocalGradients", "Outcome", "Proposal", "Ranks"]
 
 log = logging.getLogger("nanrunbook.sentinel")
+
+if torch.distributed.is_available():
+    # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a
+    # default argument, evaluated when the module is first imported. Imported after
+    # init_process_group (DistributedDataParallel's construction imports it), those
+    # defaults hold the default process group for the life of the process:
+    # destroy_process_group() cannot free it, its gloo threads run on into
+    # interpreter shutdown, and there one of them can abort the process
+    # ("terminate called without an active exception", SIGABRT, which torchrun and
+    # Slurm report as a crash). Imported here, before the job's
+    # init_process_group, the defaults are None.
+    import torch.distributed.nn
+
+
+def group_pinned_by_torch() -> bool:
+    """torch.distributed.nn was first imported after init_process_group (before
+    this package), so its default arguments hold the default group for good."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is None or not torch.distributed.is_available():
+        return False
+    kind = torch.distributed.ProcessGroup
+    return any(
+        isinstance(default, kind)
+        for function in vars(functional).values()
+        for default in getattr(function, "__defaults__", None) or ()
+    )
+
 
 # Outcomes of a step, least severe first.
 KINDS = ("healthy", "probe", "incident", "hold", "update")
@@ -94,6 +122,13 @@ class Ranks:
             else (0,)
         )
         self.alone = False  # set when this rank leaves the others (an error of its own)
+        if self.distributed and group_pinned_by_torch():
+            log.warning(
+                "torch.distributed.nn was imported after init_process_group: its default"
+                " arguments hold the process group, which destroy_process_group() cannot"
+                " free, so its threads can abort the process at exit (SIGABRT); import"
+                " nanrunbook.capture.torch before init_process_group"
+            )
 
     @property
     def several(self) -> bool:

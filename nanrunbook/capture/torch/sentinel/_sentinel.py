@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -40,10 +39,10 @@ import torch
 from nanrunbook.capture.facts import Cursor, LoopFacts, recovery_point
 from nanrunbook.capture.incident import SentinelHold, rank_member
 from nanrunbook.capture.telemetry import (
-    Alert,
     EarlyWarnings,
     TelemetryFile,
     Thresholds,
+    alert,
 )
 from nanrunbook.capture.torch._copies import clone_batch, eager_module
 from nanrunbook.capture.torch._offload import REPLAY_MEMORY, ReplayMemory
@@ -69,6 +68,8 @@ from nanrunbook.capture.torch.sentinel._snapshot import (
     reset_scaler_step,
 )
 from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
+from nanrunbook.contract import SCALE_RANGE, is_contract_scale
+from nanrunbook.telemetry.record import TelemetryWarning
 
 __all__ = ["Policy", "Sentinel"]
 
@@ -94,9 +95,8 @@ def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
         return None
     if scaler is not None:
         raise ValueError("give a static loss_scale or an enabled GradScaler, not both")
-    mantissa, _ = math.frexp(float(loss_scale))
-    if not (2.0**-24 <= float(loss_scale) <= 2.0**24) or mantissa != 0.5:
-        raise ValueError(f"loss_scale {loss_scale!r} is not a power of two in [2^-24, 2^24]")
+    if not is_contract_scale(float(loss_scale)):
+        raise ValueError(f"loss_scale {loss_scale!r} is not {SCALE_RANGE}")
     return float(loss_scale)
 
 
@@ -231,7 +231,7 @@ class Sentinel(Decisions):
         self._scheduler_per_step = True
         self._scheduler_calls = 0
         self._inside_scaler = False
-        self._carry: list[Alert] = []  # warnings for the next line
+        self._carry: list[TelemetryWarning] = []  # warnings for the next line
         self._logged_codes: set[str] = set()
         self._early = EarlyWarnings(self.thresholds)
         if snapshot not in (False, True, *SNAPSHOT_PLACES):
@@ -337,13 +337,13 @@ class Sentinel(Decisions):
         at = self.last_step if step is None else step
         point = recovery_point(checkpoint_id, at, parts)
         if point is None:
-            alert = Alert(
+            warning = alert(
                 "CHECKPOINT_NOT_RECOVERY_POINT",
                 f"checkpoint {checkpoint_id} verified {sorted(parts)}, not all five parts;"
                 f" the last known-good state stays {self.last_known_good['checkpoint_id']}",
             )
             # On the line of the step the checkpoint follows, when it is still unwritten.
-            (self._pending.warnings if self._pending is not None else self._carry).append(alert)
+            (self._pending.warnings if self._pending is not None else self._carry).append(warning)
         self._resolve_pending(checkpointing=checkpoint_id)  # holds on a non-finite update
         if point is not None:
             self.last_known_good = point

@@ -11,11 +11,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.telemetry import (
-    Activations,
-    Alert,
-    GradTelemetry,
-    HeadroomSource,
-    UpdateTelemetry,
+    finite_or_none,
     headroom_bits,
     loss_class,
     mean_loss,
@@ -31,6 +27,14 @@ from nanrunbook.capture.torch.sentinel._checks import (
     nonfinite_flag,
 )
 from nanrunbook.capture.torch.sentinel._snapshot import Buffers
+from nanrunbook.telemetry.record import (
+    ActivationStats,
+    GradientStats,
+    HeadroomSource,
+    LossClass,
+    TelemetryWarning,
+    UpdateStats,
+)
 
 __all__ = ["ClipCall", "GradFindings", "StepRecord", "update_extremes"]
 
@@ -84,13 +88,13 @@ class GradFindings:
     def nonfinite(self) -> int:
         return sum(c.nan + c.posinf + c.neginf for c in self.counts)
 
-    def headroom_from(self, grad: GradTelemetry) -> HeadroomSource | None:
+    def headroom_from(self, grad: GradientStats) -> HeadroomSource | None:
         """What :meth:`telemetry`'s headroom was taken from (None: no headroom)."""
         if grad.headroom_bits is None:
             return None
         return "max_abs" if self.counts else self.bounds_from
 
-    def telemetry(self, fallback_dtype: str | None) -> GradTelemetry:
+    def telemetry(self, fallback_dtype: str | None) -> GradientStats:
         """Exact magnitudes when counted; otherwise the per-tensor norms, which
         bound max abs from above, give a headroom that is a lower bound."""
         if self.counts:
@@ -104,14 +108,14 @@ class GradFindings:
             if bits is not None and (worst_bits is None or bits < worst_bits):
                 worst_bits, worst_dtype = bits, dtype
         max_abs = max((c.max_abs for c in self.counts if c.max_abs is not None), default=None)
-        return GradTelemetry(
+        return GradientStats(
             nan=sum(c.nan for c in self.counts),
             posinf=sum(c.posinf for c in self.counts),
             neginf=sum(c.neginf for c in self.counts),
-            max_abs=max_abs,
+            max_abs=finite_or_none(max_abs),
             dtype=worst_dtype,
             headroom_bits=worst_bits,
-            norm=self.norm,
+            norm=finite_or_none(self.norm),
         )
 
 
@@ -131,26 +135,26 @@ class StepRecord:
     loss_values: list[float] = field(default_factory=list)
     grads: GradFindings = field(default_factory=GradFindings)
     scale: float | None = None
-    activations: Activations | None = None
-    warnings: list[Alert] = field(default_factory=list)
+    activations: ActivationStats | None = None
+    warnings: list[TelemetryWarning] = field(default_factory=list)
     lr: float | None = None
     # After the update: its flag (read at the next decision) and exact rows.
     updated: list[Any] = field(default_factory=list)
     before: list[Any] | None = None  # parameters before the update (sampled steps)
     update_flag: Any = None
     update_max: tuple[list[str], Any] | None = None  # sampled: max abs of the update
-    update: UpdateTelemetry | None = None
+    update: UpdateStats | None = None
     weight_norm: float | None = None  # the updated parameters' L2 norm (the update flag)
     # Every step: the model's reduced-precision output extremes (on the device).
     outputs: OutputExtremes | None = None
-    output: Activations | None = None
+    output: ActivationStats | None = None
 
     @property
     def loss(self) -> float | None:
         return mean_loss(self.loss_values)
 
     @property
-    def loss_class(self) -> str:
+    def loss_class(self) -> LossClass:
         return loss_class(self.loss_values)
 
     # ------------------------------------------------------------ the one read
@@ -184,7 +188,7 @@ class StepRecord:
         finite = [(headroom_bits(v, d), v, d) for v, d in pairs if math.isfinite(v)]
         known = [(b, v, d) for b, v, d in finite if b is not None]
         bits, top, dtype = min(known, default=(None, None, None))
-        self.output = Activations(
+        self.output = ActivationStats(
             max_abs=top,
             where="output" if top is not None else None,
             dtype=dtype,
@@ -206,7 +210,7 @@ class StepRecord:
             n for v, n in zip(extremes, sampler.names, strict=True) if not math.isfinite(v)
         )
         top = max(finite, key=lambda item: item[0], default=None)
-        self.activations = Activations(
+        self.activations = ActivationStats(
             max_abs=top[0] if top else None,
             where=top[1] if top else None,
             dtype=top[2] if top else None,
@@ -249,10 +253,10 @@ class StepRecord:
             max_abs = max(values["update_max"])
         if math.isfinite(values["update_flag"][0]):
             self.weight_norm = values["update_flag"][0]  # the flag is their L2 norm
-            self.update = UpdateTelemetry(max_abs=max_abs)
+            self.update = UpdateStats(max_abs=max_abs)
             return True
         rows = exact_counts([p.detach() for p in self.updated])
-        self.update = UpdateTelemetry(
+        self.update = UpdateStats(
             nan=sum(c.nan for c in rows),
             posinf=sum(c.posinf for c in rows),
             neginf=sum(c.neginf for c in rows),

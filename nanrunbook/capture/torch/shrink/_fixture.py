@@ -49,7 +49,7 @@ from nanrunbook.capture.torch.shrink._finiteness import all_finite, requires_gra
 from nanrunbook.capture.torch.shrink._fixture_template import TEST_SOURCE
 from nanrunbook.capture.torch.shrink._locate import CapturedCall, FunctionObserver, ModuleObserver
 from nanrunbook.capture.torch.shrink._results import OpKey, Shrink
-from nanrunbook.records import STAGE_ORDER
+from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.tensors.safetensors_write import RawTensor, safetensors_chunks
 
 __all__ = ["FIXTURE_FORMAT", "FixtureError", "write_fixture"]
