@@ -68,7 +68,7 @@ class OwnTime:
 
 OWN = OwnTime()
 OWN.time(Sentinel, "forward", +1)
-OWN.time(SentinelTrainerMixin, "_step_loss", -1)  # the Trainer's forward and loss
+OWN.time(SentinelTrainerMixin, "_trainer_loss", -1)  # the Trainer's forward and loss
 OWN.time(Sentinel, "_decide", +1)  # the checks, the read, the line
 OWN.time(ClipCall, "apply", -1)  # the Trainer's clip, applied inside the decision
 OWN.time(Sentinel, "_after_update", +1)

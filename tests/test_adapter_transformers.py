@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from sentinel_support import assert_held_evidence, assert_rank1_data_held
 from transformers_support import (
     EmbeddingRecords,
     first_nonfinite_step,
@@ -86,17 +87,11 @@ def test_an_absurd_learning_rate_holds_at_the_truths_step_with_the_trainer_as_be
     assert type(trainer.lr_scheduler) is torch.optim.lr_scheduler.LambdaLR
 
     assert hold.bundle == tmp_path / "run" / "incident" / "lr" / str(onset)
-    report = check_bundle(hold.bundle)
-    assert report.decision.decision == "HOLD"
-    assert report.decision.earliest_nonfinite_stage == hold.stage
-    binding = report.manifest.binding
+    # HOLD at the sentinel's stage, a telemetry line for every step, the held one last
+    assert_held_evidence(tmp_path / "run", "lr", hold.bundle, onset, hold.stage)
+    binding = check_bundle(hold.bundle).manifest.binding
     assert binding.details["loader_cursor"]["global_step"] == onset - 1  # the data position
     assert binding.compute_dtype == ("BF16" if dtype == "bf16" else "F32")
-
-    lines = telemetry_lines(tmp_path / "run" / "incident" / "lr" / "telemetry.jsonl")
-    assert [line["step"] for line in lines] == list(range(1, onset + 1))
-    assert [line["held"] for line in lines] == [False] * (onset - 1) + [True]
-    assert lines[-1]["bundle"] == str(hold.bundle)
 
 
 def test_gradients_are_checked_before_the_trainers_clip(tmp_path: Path) -> None:
@@ -163,6 +158,11 @@ def test_a_healthy_run_trains_bit_for_bit_as_without_the_adapter(
     lines = telemetry_lines(incident / "telemetry.jsonl")
     assert [line["step"] for line in lines] == list(range(1, 7))
     assert all(not line["warnings"] and not line["held"] for line in lines)
+    # The sentinel's loss is the one backpropagated: the Trainer logs the sum of
+    # a step's micro-batch losses, the telemetry line their mean.
+    logged = [entry["loss"] for entry in expected[1] if "loss" in entry]
+    seen = [line["loss"] * accumulate for line in lines]
+    assert seen == pytest.approx(logged, rel=1e-6)
 
 
 def test_the_skip_policy_skips_one_corrupt_record_and_trains_on(tmp_path: Path) -> None:
@@ -197,6 +197,11 @@ def test_what_the_trainer_owns_is_not_given_twice(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"checkpoint's step 5 is not .*global_step 0"):
         trainer.train()
     assert trainer.sentinel is None and trainer.state.global_step == 0
+    # fp16 with accelerate's GradScaler (a GPU's): refused rather than half held
+    trainer, _ = make_trainer(tmp_path, sentinel=sentinel_facts("x"))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(NotImplementedError, match="GradScaler"):
+        trainer.train()
 
 
 def test_ddp_under_torchrun_holds_every_rank_at_one_step(tmp_path: Path) -> None:
@@ -246,13 +251,7 @@ def test_ddp_under_torchrun_holds_every_rank_at_one_step(tmp_path: Path) -> None
     step = held.pop()
     assert step > 1  # it trained before the corrupt records
     assert all(r["global_step"] == step - 1 and r["untouched"] for r in results)
-    assert [r["origin"] for r in results] == [[1], [1]]
+    # both ranks' origin rank 1 at input, the set's too, a telemetry line a step
+    assert_rank1_data_held(tmp_path, "ddp", step, results)
     verdict = check_incident_set(tmp_path / "incident" / "ddp" / str(step))
-    assert verdict.decision == "HOLD"
-    assert verdict.origin_ranks == (1,)
-    assert verdict.earliest_nonfinite_stage == "input"
-    assert verdict.ranks == (0, 1)
-    for rank in (0, 1):  # a line for every step on every rank, the held one last
-        lines = telemetry_lines(tmp_path / "incident" / "ddp" / f"telemetry-rank-{rank:05d}.jsonl")
-        assert [line["step"] for line in lines] == list(range(1, step + 1))
-        assert [line["held"] for line in lines] == [False] * (step - 1) + [True]
+    assert (verdict.decision, verdict.origin_ranks, verdict.ranks) == ("HOLD", (1,), (0, 1))

@@ -34,6 +34,7 @@ def main(out: Path) -> None:
         result.update(
             held=hold.step,
             stage=hold.stage,
+            reason=hold.reason,
             origin=list(hold.origin_ranks or ()),
             bundle=str(hold.bundle),
             global_step=trainer.state.global_step,

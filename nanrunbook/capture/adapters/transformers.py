@@ -16,11 +16,11 @@ ones the Trainer owns (model, optimizer, loss, scheduler, scaler, process group)
 
 What the Trainer hides from a callback, and how the adapter gets it:
 
-* the batch and the loss: ``training_step`` (documented) sends the forward
-  through ``Sentinel.forward``; the loss the sentinel sees and a replay
-  backwards is the Trainer's own, already divided for gradient accumulation
-  (the adapter says so to the Trainer with ``loss_is_scaled_for_ga``, for that
-  call only);
+* the batch and the loss: ``training_step`` and ``compute_loss`` (documented)
+  send the step's forward through ``Sentinel.forward``; the loss the sentinel
+  sees and a replay backwards is divided for gradient accumulation as
+  ``training_step`` divides it (``_forward_as_loss``), and the Trainer gets its
+  own undivided loss to divide;
 * the gradients before clipping: the Trainer clips (or, with
   ``max_grad_norm=0``, measures the norm in place) before
   ``on_pre_optimizer_step``, and there one NaN makes every gradient NaN (an
@@ -47,6 +47,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 
+from nanrunbook.capture.adapters._forward_as_loss import ForwardAsLoss
 from nanrunbook.capture.torch import Sentinel, SentinelHold
 
 __all__ = ["SentinelTrainer", "SentinelTrainerMixin"]
@@ -115,7 +116,8 @@ class SentinelTrainerMixin:
         self.add_callback(self._counters)  # type: ignore[attr-defined]
         self._through_sentinel = False  # the next compute_loss is the step's forward
         self._num_items: Any = None  # the step's num_items_in_batch, for the replay too
-        self._ga_scaled = False  # the Trainer's loss is already divided for accumulation
+        self._ga_divisor = 1  # what training_step divides this step's loss by
+        self._step_loss = ForwardAsLoss(self._trainer_loss, lambda loss: loss, self._divisor)
 
     # ------------------------------------------------------------ the run
 
@@ -151,6 +153,11 @@ class SentinelTrainerMixin:
                 f"the sentinel's Trainer adapter runs under {', '.join(k.value for k in _PLAIN_LOOPS)};"
                 f" this Trainer runs under {kind.value}"
             )
+        if self.accelerator.scaler is not None:
+            raise NotImplementedError(
+                "the sentinel's Trainer adapter does not run fp16 with accelerate's GradScaler"
+                " (accelerate swaps the optimizer's step around it): use bf16"
+            )
         if self.args.n_gpu > 1:  # one process driving several devices
             raise NotImplementedError(
                 "the sentinel's Trainer adapter does not run under DataParallel"
@@ -175,7 +182,6 @@ class SentinelTrainerMixin:
             self._step_loss,
             checkpoint=checkpoint,
             scheduler=self.lr_scheduler,
-            scaler=self.accelerator.scaler,
             **options,
         )
         return self.sentinel
@@ -197,19 +203,18 @@ class SentinelTrainerMixin:
         """``Trainer.training_step`` with its forward through the sentinel."""
         if self.sentinel is None:
             self._start_sentinel(model)
-        given = scaled = self.loss_is_scaled_for_ga
+        scaled = self.loss_is_scaled_for_ga
         if scaled is None:  # the Trainer's own rule (training_step)
             scaled = (
                 self.model_accepts_loss_kwargs and num_items_in_batch is not None
             ) or self.compute_loss_func is not None
-        self._ga_scaled, self._num_items = bool(scaled), num_items_in_batch
+        self._ga_divisor = 1 if scaled else self.current_gradient_accumulation_steps
+        self._num_items = num_items_in_batch
         self._through_sentinel = True
-        self.loss_is_scaled_for_ga = True  # _step_loss divided it already
         try:
             return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         finally:
             self._through_sentinel = False
-            self.loss_is_scaled_for_ga = given
 
     def compute_loss(
         self,
@@ -225,16 +230,15 @@ class SentinelTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         self._through_sentinel = False
-        return self.sentinel.forward(inputs)
+        self.sentinel.forward(inputs)  # checks the loss divided as training_step divides it
+        return self._step_loss.take()  # the Trainer's own loss, which it divides itself
 
-    def _step_loss(self, model: Any, inputs: Any) -> Any:
-        """The loss the Trainer backwards, for the sentinel and its replays: the
-        Trainer's ``compute_loss``, divided for gradient accumulation as
-        ``training_step`` would."""
-        loss = super().compute_loss(model, inputs, num_items_in_batch=self._num_items)  # type: ignore[misc]
-        if not self._ga_scaled:
-            loss = loss / self.current_gradient_accumulation_steps
-        return loss
+    def _trainer_loss(self, model: Any, inputs: Any) -> Any:
+        """The Trainer's ``compute_loss`` for the step (and its replays)."""
+        return super().compute_loss(model, inputs, num_items_in_batch=self._num_items)  # type: ignore[misc]
+
+    def _divisor(self) -> int:
+        return self._ga_divisor
 
     def _clip_grad_norm(self, model: Any) -> Any:
         if self.sentinel is None:
@@ -248,8 +252,7 @@ class SentinelTrainerMixin:
         return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
     def _sentinel_clip(self, model: Any, max_norm: float) -> torch.Tensor:
-        assert self.sentinel is not None
-        self.accelerator.unscale_gradients()  # as accelerator.clip_grad_norm_ does first
+        assert self.sentinel is not None  # no GradScaler: nothing to unscale first
         norm: torch.Tensor = self.sentinel.clip_grad_norm_(model.parameters(), max_norm)
         return norm
 
