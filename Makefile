@@ -44,7 +44,7 @@ bench: $(VENV)/.test-installed
 bench-sentinel: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_sentinel.py $(BENCH_ARGS)
 
-# `make bench-adapters`: what the Lightning and Accelerate adapters cost a step, with and
+# `make bench-adapters`: what the transformers, Lightning and Accelerate adapters cost a step, with and
 # without each in alternating runs of one process (CPU time a step, and wall-clock).
 bench-adapters: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_adapters.py $(BENCH_ARGS)
@@ -53,12 +53,6 @@ bench-adapters: $(VENV)/.test-installed
 # real CPU runs (tests/warning_runs.py): onset, first warning, lead, false alarms.
 bench-warnings: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_warnings.py $(BENCH_ARGS)
-
-# `make bench-adapter-transformers`: a transformers.Trainer step with and without the
-# sentinel's adapter (SentinelTrainer), alternating runs in one process.
-.PHONY: bench-adapter-transformers
-bench-adapter-transformers: $(VENV)/.test-installed
-	$(BIN)/python bench/bench_adapter_transformers.py $(BENCH_ARGS)
 
 # `make bench-bundle-write`: peak host memory and time of writing a 256 MiB bundle,
 # the writer holding it in memory against streaming it to a spool (spool_dir=).
