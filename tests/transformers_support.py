@@ -1,4 +1,4 @@
-"""Real ``transformers.Trainer`` runs for the adapter's tests and its bench: a
+"""Real ``transformers.Trainer`` runs for the adapter's tests: a
 tiny GPT-2 built from a config (nothing downloaded), token or embedding
 records made here, and every bit of the Trainer's state a step could change."""
 
@@ -144,8 +144,8 @@ def make_trainer(
     **changes: Any,
 ) -> tuple[Any, StateBeforeEachStep]:
     """A Trainer (a SentinelTrainer with ``sentinel``) on a fresh tiny GPT-2;
-    ``watch_state`` keeps its state before each step (a copy a step: the bench
-    goes without); ``per_batch_mean`` gives the model no ``num_items_in_batch``,
+    ``watch_state`` keeps its state before each step (a copy a step: runs that
+    are only compared go without); ``per_batch_mean`` gives the model no ``num_items_in_batch``,
     so its loss is a micro-batch's mean and the Trainer divides it."""
     watch = StateBeforeEachStep()
     loss = changes.pop("compute_loss_func", None)
