@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch that the capture API's tests and examples run on.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint fuzz bench bench-diff bench-set bench-sentinel bench-adapters bench-warnings bench-watch bench-shrink install clean fixtures
+.PHONY: demo test lint fuzz bench bench-diff bench-set bench-sentinel bench-adapters bench-warnings bench-watch bench-shrink bench-capsule install clean fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ bench-warnings: $(VENV)/.test-installed
 bench-bundle-write: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_bundle_write.py $(BENCH_ARGS)
 
+# `make bench-recovery`: a recovery point's save, verify and resume against DCP's own
+# save and load and one SHA-256 stream, same-run ratios (issue 28's budgets).
+.PHONY: bench-recovery
+bench-recovery: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_recovery.py $(BENCH_ARGS)
+
 # `make bench-diff`: time `nanrunbook diff` of two 1 GiB bundles (a few tensors differ)
 # against checking both, same run. BENCH_ARGS="--runs 9" for more.
 bench-diff: $(VENV)/.test-installed
@@ -68,6 +74,23 @@ bench-diff: $(VENV)/.test-installed
 # `make bench-set`: an incident set of 8 x 128 MiB against one 1 GiB bundle, same run.
 bench-set: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_set.py $(BENCH_ARGS)
+
+# `make bench-capsule`: a hold's capsule write against dcp.save of the same state, and
+# `nanrunbook replay` against load + 3 steps + the bundle's bytes at the SHA-256 rate.
+bench-capsule: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_capsule.py $(BENCH_ARGS)
+
+# `make bench-scale`: `check` of incident sets and `merge` of per-rank reports of 8, 128,
+# 1,024 and 16,384 small ranks (generated once in .bench-cache/): time per rank, peak RSS.
+.PHONY: bench-scale
+bench-scale: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_scale.py $(BENCH_ARGS)
+
+# `make bench-sentinel-fsdp2`: what the sentinel costs an FSDP2 loop on 2 gloo ranks (CPU):
+# same-run step ratio, check share, collectives and host reads added per step.
+.PHONY: bench-sentinel-fsdp2
+bench-sentinel-fsdp2: $(VENV)/.test-installed
+	$(BIN)/python bench/bench_sentinel_fsdp2.py $(BENCH_ARGS)
 
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
 # (20x the CI examples), then time and peak memory of every explicit hostile case.

@@ -14,7 +14,10 @@ than one bundle would have (so never more read buffers), and only one member at
 a time reads and parses its manifest and tensor headers, the part whose memory
 grows with a manifest's size; a member gives that turn up as its data read
 begins (the ``start`` of its progress). Members being read keep their parsed
-records until they are done.
+records until they are done. Without ``keep_reports`` a member's report is let
+go as soon as it is judged (only its verdict and what it declares stay: what a
+text or kv answer shows), so the peak memory of a set of thousands of members
+does not grow with their reports.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import queue
 import stat
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nanrunbook.access import MANIFEST_NAME, file_where, set_members, sets_below
@@ -70,12 +73,18 @@ def check_path(
     progress: Progress | None = None,
     workers: int | None = None,
     thresholds: WarningThresholds | None = None,
+    keep_reports: bool = True,
 ) -> Judgement | IncidentSet:
     """What ``nanrunbook check`` answers for one path: the set's verdict when it is
     an incident set (see :func:`is_incident_set`), else the bundle's judgement."""
     if is_incident_set(path):
         return check_incident_set(
-            path, caps=caps, progress=progress, workers=workers, thresholds=thresholds
+            path,
+            caps=caps,
+            progress=progress,
+            workers=workers,
+            thresholds=thresholds,
+            keep_reports=keep_reports,
         )
     judgement = judge_bundle(
         path, caps=caps, progress=progress, workers=workers, thresholds=thresholds
@@ -105,6 +114,7 @@ def check_incident_set(
     progress: Progress | None = None,
     workers: int | None = None,
     thresholds: WarningThresholds | None = None,
+    keep_reports: bool = True,
 ) -> IncidentSet:
     """Judge the incident set in the directory ``path`` (spec section 11).
 
@@ -115,7 +125,9 @@ def check_incident_set(
     data is read, from several threads in turn (never at once); if it has an
     ``extend`` method, that is called with each member's byte total as the
     member's read begins. Raises EvidenceRejected (BUNDLE_NOT_FOUND,
-    BUNDLE_NOT_DIRECTORY) when ``path`` is not a directory.
+    BUNDLE_NOT_DIRECTORY) when ``path`` is not a directory. ``keep_reports``
+    false: each member is kept as :meth:`SetMember.verdict_only`, its report let
+    go as soon as it is judged.
     """
     caps = caps or Caps()
     directory = Path(path)
@@ -126,17 +138,24 @@ def check_incident_set(
         reason = err.strerror or type(err).__name__
         return judge_set([], contract_content_id=content_id, path=str(directory), unlisted=reason)
     inside = [entry for entry in entries if not entry.outside]
-    judged = dict(
-        zip(
-            (entry.name for entry in inside),
-            _judge_members([entry.path for entry in inside], caps, progress, workers, thresholds),
-            strict=True,
-        )
+
+    def member(name: str, judgement: Judgement) -> SetMember:
+        judged = SetMember.of(file_where(name), judgement)
+        return judged if keep_reports else judged.verdict_only()
+
+    folded = _judge_members(
+        [entry.path for entry in inside],
+        caps,
+        progress,
+        workers,
+        thresholds,
+        lambda index, judgement: member(inside[index].name, judgement),
     )
-    members = []
-    for entry in entries:
-        judgement = judged.get(entry.name) or _outside(entry.path, content_id)
-        members.append(SetMember.of(file_where(entry.name), judgement))
+    judged = dict(zip((entry.name for entry in inside), folded, strict=True))
+    members = [
+        judged.get(entry.name) or member(entry.name, _outside(entry.path, content_id))
+        for entry in entries
+    ]
     nested = [file_where(name) for name in sets_below(directory)]
     return judge_set(
         members, contract_content_id=content_id, path=str(directory), nested_sets=nested
@@ -216,10 +235,12 @@ def _judge_members(
     progress: Progress | None,
     workers: int | None,
     thresholds: WarningThresholds | None,
-) -> list[Judgement]:
-    """Judge every member bundle; the results in the order of ``paths``."""
+    fold: Callable[[int, Judgement], SetMember],
+) -> list[SetMember]:
+    """Judge every member bundle, each judgement folded into its member as soon as
+    it is made (``fold(index, judgement)``); the members in the order of ``paths``."""
     budget = max(1, workers if workers is not None else default_workers())
-    results: list[Judgement | BaseException | None] = [None] * len(paths)
+    results: list[SetMember | BaseException | None] = [None] * len(paths)
     cancel = threading.Event()
     shared = _SharedProgress(progress, cancel)
     manifest_turn = threading.Lock()
@@ -229,13 +250,14 @@ def _judge_members(
         turn = _Turn(manifest_turn)
         try:
             if turn.acquire(cancel):
-                results[index] = judge_bundle(
+                judgement = judge_bundle(
                     paths[index],
                     caps=caps,
                     progress=_MemberProgress(shared, turn),
                     workers=share,
                     thresholds=thresholds,
                 )
+                results[index] = fold(index, judgement)
         except BaseException as error:  # raised again in the caller's thread
             results[index] = error
         finally:
@@ -271,7 +293,7 @@ def _judge_members(
     return [_result(result) for result in results]
 
 
-def _result(result: Judgement | BaseException | None) -> Judgement:
+def _result(result: SetMember | BaseException | None) -> SetMember:
     if isinstance(result, BaseException):
         raise result
     if result is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from nanrunbook import access, strictjson
-from nanrunbook.capture import seal
+from nanrunbook.capture import _capsule_codes, _state_manifest, recovery, seal
 from nanrunbook.manifest import content_id, fields, parse, rules
 from nanrunbook.tensors import safetensors, verify
 from nanrunbook.verdict import decision, incident_set, merge
@@ -21,7 +21,8 @@ __all__ = ["CODES"]
 def _gather() -> dict[str, str]:
     merged: dict[str, str] = {}
     modules = (strictjson, fields, parse, content_id, rules, access, safetensors, verify)
-    for module in (*modules, decision, seal, incident_set, merge):
+    capture = (seal, _state_manifest, recovery, _capsule_codes)
+    for module in (*modules, decision, incident_set, merge, *capture):
         for code, meaning in module.CODES.items():
             if code in merged:
                 raise RuntimeError(f"violation code {code} is declared twice")

@@ -67,7 +67,10 @@ UNCHANGED = "UNCHANGED"
 
 # Binding fields that record what the step did, not how it was run.
 RESULT_FIELDS: Mapping[str, tuple[str, ...]] = {
-    "scaler": ("found_inf", "step_skipped", "scale_after")
+    "scaler": ("found_inf", "step_skipped", "scale_after"),
+    # Whether the tool verified the last known-good state or the loop stated it:
+    # provenance of the evidence, not a mechanism of the step.
+    "checkpoint": ("last_known_good_recovery",),
 }
 SIDES = ("base", "other")
 

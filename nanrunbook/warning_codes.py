@@ -61,9 +61,17 @@ WARNING_CODES = MappingProxyType(
             "a checkpoint did not verify all five recovery parts together;"
             " the last known-good state stays the previous one"
         ),
+        "RECOVERY_POINT_STATED": (
+            "the loop stated a checkpoint as the last known-good state (checkpointed());"
+            " the tool verified none of its parts"
+        ),
         "TELEMETRY_LINES_LOST": (
             "telemetry lines could not be written (a full disk, say): how many, between"
             " which steps; training went on"
+        ),
+        "STEP_NOT_REPRODUCED": (
+            "a non-finite step did not come back when run again from the same state and"
+            " random state (transient='rerun'): skipped, its evidence kept, training went on"
         ),
     }
 )

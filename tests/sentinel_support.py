@@ -123,7 +123,8 @@ def bundles(tmp: Path, run_id: str) -> list[Path]:
     root = tmp / "incident" / run_id
     if not root.exists():
         return []
-    return sorted(p.parent for p in root.rglob("manifest.json"))
+    # A held step's capsule (its bundle's capsule/ directory) has a manifest too.
+    return sorted(p.parent for p in root.rglob("manifest.json") if p.parent.name != "capsule")
 
 
 def params_finite(model: nn.Module) -> bool:
@@ -318,6 +319,8 @@ def _rank_loop(rank: int, tmp: Path, scenario: str) -> dict[str, Any]:
         "stage": hold.stage if hold else None,
         "reason": hold.reason if hold else None,
         "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        "reproduced": hold.reproduced.line() if hold and hold.reproduced else None,
+        "capsule": str(hold.capsule) if hold and hold.capsule else None,
         "finite": params_finite(net),
         "untouched": bool(hold) and state_bits(net, optimizer, scheduler) == ran.before[ran.steps],
         "changed": _changed(state_bits(net, optimizer, scheduler), ran.before[ran.steps]),

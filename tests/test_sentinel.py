@@ -3,6 +3,7 @@ thresholds, its host synchronisations, probes, hooks and telemetry."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -534,6 +535,7 @@ def test_telemetry_line_shape(tmp_path: Path) -> None:
         "grad_headroom_from",
         "weight_norm",
         "output",
+        "reproduced",
     ]
     assert line["format"] == TELEMETRY_FORMAT == "nanrunbook-telemetry/1"
     assert (line["run_id"], line["rank"], line["world_size"], line["step"]) == ("shape", 0, 1, 5)
@@ -598,9 +600,15 @@ def test_checkpoints_mark_the_last_known_good_state(tmp_path: Path) -> None:
     assert ran.hold.last_known_good["checkpoint_id"] == "ckpt-4"
     lines = telemetry(tmp_path, "lkg")
     warned = {line["step"]: [w["code"] for w in line["warnings"]] for line in lines}
-    # Said on the first line written after the checkpoint (step 6's, deferred for its update).
-    assert [step for step, codes in warned.items() if codes] == [6]
+    # Said on the first line written after the checkpoint (step 6's, deferred for its update);
+    # ckpt-4, all five parts in the loop's word, is a stated point (issue 28).
+    assert [step for step, codes in warned.items() if codes] == [4, 6]
+    assert warned[4] == ["RECOVERY_POINT_STATED"]
     assert warned[6] == ["CHECKPOINT_NOT_RECOVERY_POINT"]
+    checkpoint = json.loads((ran.hold.bundle / "manifest.json").read_text())["binding"][
+        "checkpoint"
+    ]
+    assert checkpoint["last_known_good_recovery"] == "stated"
 
 
 def test_the_starting_state_must_be_stated_as_a_recovery_point(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ def test_clipping_through_the_sentinel_gives_a_headroom_bounded_by_the_norm(
             assert line["grad_headroom_from"] == "max_abs"
             assert grad["max_abs"] <= grad["norm"]
         # appended at the end of the line, before the early warnings' two fields
-        assert list(line)[-3:] == ["grad_headroom_from", "weight_norm", "output"]
+        # and the held step's reproduction
+        assert list(line)[-4:] == ["grad_headroom_from", "weight_norm", "output", "reproduced"]
 
 
 def test_without_clipping_the_headroom_says_it_is_from_the_tensor_norms(tmp_path: Path) -> None:

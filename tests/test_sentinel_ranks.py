@@ -64,6 +64,11 @@ def test_a_nan_in_one_ranks_data_holds_every_rank_at_one_step(world: int, tmp_pa
     # Checked before the all-reduce: rank 0 knows its own gradients were finite.
     assert results[1]["reason"].startswith("non-finite loss")
     assert "own gradients were finite before the all-reduce" in results[0]["reason"]
+    # Issue 27: each rank judges its own replay, named by rank, host and device,
+    # and leaves its capsule in its own member bundle.
+    for rank, result in enumerate(results):
+        assert result["reproduced"].startswith(f"REPRODUCED on rank {rank}, host "), result
+        assert result["capsule"] == str(incident / f"rank-{rank:05d}" / "capsule")
     for rank in range(world):
         lines = (
             tmp_path / "incident" / "nan-rank1" / f"telemetry-rank-{rank:05d}.jsonl"

@@ -266,6 +266,9 @@ def test_adam_eps_zero_without_a_snapshot_holds_as_contaminated(tmp_path: Path) 
     assert hold.contaminated and hold.bundle is None and hold.step == 1
     assert hold.last_known_good["checkpoint_id"] == "init-seed-0"
     assert "contaminated" in str(hold) and "init-seed-0" in str(hold)
+    # Issue 27: never presented as replayable: no capsule, and the hold says why.
+    assert hold.capsule is None and "no capsule is written" in str(hold.capsule_error)
+    assert "no capsule (the real state holds the non-finite update" in str(hold)
     assert sentinel.last_known_good["checkpoint_id"] == "init-seed-0"  # ckpt-1 is not one
 
 

@@ -211,6 +211,7 @@ _count = st.integers(0, 2**40)
     weight_norm=_maybe,
     output_max=_maybe,
     output_nonfinite=st.booleans(),
+    reproduced=st.none() | st.sampled_from(["REPRODUCED", "NOT_REPRODUCED"]),
 )
 def test_every_sentinel_line_reads_back_with_the_watch_parser(
     loss: float,
@@ -225,6 +226,7 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     weight_norm: float | None,
     output_max: float | None,
     output_nonfinite: bool,
+    reproduced: str | None,
 ) -> None:
     import orjson
 
@@ -255,6 +257,7 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
         held=held,
         warnings=(),
         bundle=None,
+        reproduced=reproduced,
         grad_headroom_from=headroom_from,
         weight_norm=finite_or_none(weight_norm),
         output=None
@@ -282,13 +285,15 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     assert {k: v for k, v in document.items() if k in fixed} == fixed
     # The appended fields: last on the line in the order they were added, read by
     # both parsers, one vocabulary.
-    assert list(document)[-5:] == [
+    assert list(document)[-6:] == [
         "activations",
         "lr",
         "grad_headroom_from",
         "weight_norm",
         "output",
+        "reproduced",
     ]
+    assert record.reproduced == document["reproduced"] == reproduced
     assert record.grad_headroom_from == headroom_from
     assert set(HEADROOM_SOURCES) == {"max_abs", "tensor_norm", "total_norm"}
     fast = common_line(raw)

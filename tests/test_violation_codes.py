@@ -17,6 +17,7 @@ import pytest
 from bundlekit import copy_fixture, load, read_tensor_file, save, write_tensor_file
 
 from nanrunbook import Caps, EvidenceRejected, check_bundle
+from nanrunbook.capture import _capsule_codes, _state_manifest, recovery
 from nanrunbook.codes import CODES
 from nanrunbook.errors import quote
 from nanrunbook.verdict import incident_set, merge
@@ -639,6 +640,9 @@ def _(tmp, mp):
 # test_check.py (decide() on altered records), seal codes by test_seal.py, the
 # incident-set and merge codes by test_incident_set.py.
 ELSEWHERE = {"RECORD_INCONSISTENT"} | set(incident_set.CODES) | set(merge.CODES)
+ELSEWHERE |= set(_state_manifest.CODES)  # state directories: test_state_dir.py
+ELSEWHERE |= set(_capsule_codes.CODES)  # capsules: test_capsule.py
+ELSEWHERE |= set(recovery.CODES)  # recovery points: test_recovery.py
 
 
 @pytest.mark.parametrize("code", sorted(CASES))

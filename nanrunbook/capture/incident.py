@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from nanrunbook.verdict.report import Report
 
-__all__ = ["SentinelHold", "incident_attempt", "incident_bundle_path", "rank_member"]
+__all__ = [
+    "CAPSULE_DIRECTORY",
+    "Reproduction",
+    "SentinelHold",
+    "StepSight",
+    "incident_attempt",
+    "incident_bundle_path",
+    "rank_member",
+]
+
+# A held step's capsule is this subdirectory of its bundle (spec section 1: the
+# bundle contract ignores what its manifest does not name).
+CAPSULE_DIRECTORY = "capsule"
 
 
 def rank_member(rank: int) -> str:
@@ -56,6 +69,108 @@ def incident_attempt(
         attempt += 1
 
 
+Counted = tuple[int, int, int]  # NaN, +inf, -inf
+
+
+@dataclass(frozen=True)
+class StepSight:
+    """What one run of a step saw at the boundaries the sentinel checks:
+    ``stage`` the first of loss, backward, optimizer that went non-finite (None:
+    none did); ``loss_bits`` each micro-batch loss's stored bytes, hex;
+    ``loss`` and ``gradients`` the NaN, +inf, -inf counts (``gradients`` None
+    when not counted, as when backward was not run)."""
+
+    stage: str | None
+    loss_bits: tuple[str, ...]
+    loss: Counted
+    gradients: Counted | None
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "loss_bits": list(self.loss_bits),
+            "loss": list(self.loss),
+            "gradients": None if self.gradients is None else list(self.gradients),
+        }
+
+
+def _counted(counts: Counted) -> str:
+    return f"{counts[0]} NaN, {counts[1]} +inf, {counts[2]} -inf"
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """Did the held step come back when it was run again, from the same state and
+    random state, on copies? ``verdict`` REPRODUCED or NOT_REPRODUCED (a transient
+    fault or a nondeterministic kernel, not the data or the recipe);
+    ``differed`` what the live step and the replay did not share, one phrase
+    each; where it ran (``rank`` None for one process, ``host``, ``device`` and
+    the CUDA device's ``device_uuid``); ``policy`` what the sentinel did with it
+    (``hold``, or ``rerun``: it held only because the re-run failed again, or
+    skipped the step because it did not)."""
+
+    verdict: Literal["REPRODUCED", "NOT_REPRODUCED"]
+    differed: tuple[str, ...]
+    live: StepSight
+    replay: StepSight
+    host: str
+    device: str
+    rank: int | None = None
+    device_uuid: str | None = None
+    policy: str = "hold"
+
+    @classmethod
+    def compare(cls, live: StepSight, replay: StepSight, **where: Any) -> Reproduction:
+        differed: list[str] = []
+        if live.stage != replay.stage:
+            differed.append(
+                f"first non-finite boundary: live {live.stage or 'none'},"
+                f" replay {replay.stage or 'none'}"
+            )
+        if live.loss != replay.loss:
+            differed.append(f"loss: live {_counted(live.loss)}, replay {_counted(replay.loss)}")
+        for index, (a, b) in enumerate(zip(live.loss_bits, replay.loss_bits, strict=False)):
+            if a != b:
+                differed.append(f"loss bits of micro-batch {index}: live {a}, replay {b}")
+        counted = live.gradients is not None and replay.gradients is not None
+        if counted and live.gradients != replay.gradients:
+            assert live.gradients is not None and replay.gradients is not None
+            differed.append(
+                f"gradients: live {_counted(live.gradients)}, replay {_counted(replay.gradients)}"
+            )
+        verdict: Literal["REPRODUCED", "NOT_REPRODUCED"] = (
+            "NOT_REPRODUCED" if differed else "REPRODUCED"
+        )
+        return cls(verdict, tuple(differed), live, replay, **where)
+
+    @property
+    def reproduced(self) -> bool:
+        return self.verdict == "REPRODUCED"
+
+    def line(self) -> str:
+        """One line of an incident's report: ``NOT_REPRODUCED on rank 5, host h12,
+        device cuda:3 (GPU-...): first non-finite boundary: live loss, replay none``."""
+        where = [f"rank {self.rank}"] if self.rank is not None else []
+        where += [f"host {self.host}", f"device {self.device}"]
+        if self.device_uuid:
+            where.append(self.device_uuid)
+        text = f"{self.verdict} on {', '.join(where)}"
+        return f"{text}: {'; '.join(self.differed)}" if self.differed else text
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "differed": list(self.differed),
+            "live": self.live.document(),
+            "replay": self.replay.document(),
+            "rank": self.rank,
+            "host": self.host,
+            "device": self.device,
+            "device_uuid": self.device_uuid,
+            "policy": self.policy,
+        }
+
+
 class SentinelHold(RuntimeError):
     """The sentinel held a training step: the update was not applied (or was rolled
     back), the evidence was captured, and the run must not continue unattended.
@@ -68,6 +183,10 @@ class SentinelHold(RuntimeError):
     snapshot to roll back): restart from ``last_known_good``. ``origin_ranks``
     (several ranks): the ranks whose own values went non-finite at the earliest
     stage, as the incident set's verdict names them (empty if no bundle held).
+    ``reproduced``: whether the replay on copies came out as the live step did
+    (:class:`Reproduction`; None when no replay was made). ``capsule``: the
+    held step's capsule directory, to replay it after this process is gone
+    (``nanrunbook replay``), or None (``capsule_error`` says why).
     """
 
     def __init__(
@@ -82,6 +201,9 @@ class SentinelHold(RuntimeError):
         contaminated: bool = False,
         capture_error: str | None = None,
         origin_ranks: tuple[int, ...] | None = None,
+        reproduced: Reproduction | None = None,
+        capsule: Path | None = None,
+        capsule_error: str | None = None,
     ) -> None:
         self.step = step
         self.reason = reason
@@ -92,6 +214,9 @@ class SentinelHold(RuntimeError):
         self.contaminated = contaminated
         self.capture_error = capture_error
         self.origin_ranks = origin_ranks
+        self.reproduced = reproduced
+        self.capsule = capsule
+        self.capsule_error = capsule_error
         super().__init__(self._message())
 
     @property
@@ -109,6 +234,12 @@ class SentinelHold(RuntimeError):
             parts.append(f"bundle {self.bundle}")
         elif self.capture_error:
             parts.append(f"no bundle ({self.capture_error})")
+        if self.reproduced is not None:
+            parts.append(self.reproduced.line())
+        if self.capsule is not None:
+            parts.append(f"capsule {self.capsule}")
+        elif self.capsule_error:
+            parts.append(f"no capsule ({self.capsule_error})")
         if self.origin_ranks is not None:
             parts.append(f"origin ranks {','.join(map(str, self.origin_ranks)) or 'none'}")
         if self.contaminated:

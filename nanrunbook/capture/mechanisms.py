@@ -22,6 +22,19 @@ The changes:
   every loss function of ``torch.nn.functional`` that ``compute_loss`` calls
   with the binding's reduction (``objective``).
 * :class:`OtherBatch` -- another batch (``batch``).
+* :class:`LearningRate` -- every group's learning rate times a factor
+  (``optimizer``), for a resumed run (``prove_recovery``); ``replay_changed``
+  refuses it; a capsule replay takes it, or per-group rates.
+
+Replays of an incident capsule (``Capsule.replay``, ``nanrunbook replay --change``)
+take these and more, each named on the command line by :func:`parse_change`
+(``MECHANISMS`` lists the forms):
+
+* :class:`AutocastDtype` -- autocast in another dtype (``precision``).
+* :class:`AdamEps` -- another ``eps`` (``optimizer``).
+* :class:`ClipMaxNorm` -- clipping at another max norm, or none (``optimizer``).
+* :class:`BatchExamples` -- examples of the step dropped or replaced (``batch``).
+* :class:`Deterministic` -- deterministic algorithms on (``environment``).
 
 A change that changes nothing (no autocast region entered, no loss function
 with that reduction called, the same scale or batch) raises ValueError rather
@@ -33,22 +46,44 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nanrunbook.capture._changes import (
+    MECHANISMS,
+    AdamEps,
+    AutocastDtype,
+    BatchExamples,
+    Change,
+    ChangeRefused,
+    ClipMaxNorm,
+    Deterministic,
+    LearningRate,
     LossScale,
     OtherBatch,
     Reduction,
     WithoutAutocast,
+    parse_change,
+    valid_changes,
 )
 
 if TYPE_CHECKING:
     from nanrunbook.capture.torch.replay._mechanisms import autocast_off, replay_changed
 
 __all__ = [
+    "MECHANISMS",
+    "AdamEps",
+    "AutocastDtype",
+    "BatchExamples",
+    "Change",
+    "ChangeRefused",
+    "ClipMaxNorm",
+    "Deterministic",
+    "LearningRate",
     "LossScale",
     "OtherBatch",
     "Reduction",
     "WithoutAutocast",
     "autocast_off",
+    "parse_change",
     "replay_changed",
+    "valid_changes",
 ]
 
 # What a change means lives in capture/_changes.py, torch-free; applying one to a

@@ -27,7 +27,10 @@ from nanrunbook.cli import (  # noqa: E402, F401  (each registers its commands)
     diff,
     documents,
     merge,
+    prove,
+    replay,
     seal,
+    verify_recovery,
     watch,
 )
 from nanrunbook.cli.app import app, entry_point, main  # noqa: E402

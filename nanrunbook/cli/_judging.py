@@ -46,7 +46,10 @@ def judge(
     from nanrunbook.verdict.incident_set import IncidentSet
 
     with check_progress(progress) as bar:
-        outcome = check_path(bundle, caps=caps, progress=bar, thresholds=thresholds)
+        # Only a JSON answer prints a set's members' whole reports: otherwise each is let go.
+        outcome = check_path(
+            bundle, caps=caps, progress=bar, thresholds=thresholds, keep_reports=fmt == "json"
+        )
     renderer = _renderer(fmt, brief, checklist=checklist)
     if isinstance(outcome, IncidentSet):
         emit(functools.partial(renderer.incident_set, outcome, out), out)

@@ -47,6 +47,7 @@ def merge(
     from nanrunbook.output.renderers import RENDERERS
     from nanrunbook.verdict.merge import merge_reports
 
-    result = merge_reports(reports)
+    # Only a JSON answer prints the members' whole reports: otherwise each is let go.
+    result = merge_reports(reports, keep_reports=format is CheckFormat.json)
     emit(functools.partial(RENDERERS[format.value].incident_set, result, sys.stdout), sys.stdout)
     raise typer.Exit(result.exit_code)

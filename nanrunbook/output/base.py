@@ -18,6 +18,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
+    from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -80,3 +81,11 @@ class Renderer(ABC):
     @abstractmethod
     def watch_event(self, event: WatchEvent, out: IO[str]) -> None:
         """One thing that happened while following a telemetry file (``watch --follow``)."""
+
+    @abstractmethod
+    def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
+        """A recovery point verified or not, with every violation (``verify-recovery``)."""
+
+    @abstractmethod
+    def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
+        """A proof of recovery, proven or not and why (``prove``)."""

@@ -20,6 +20,7 @@ from nanrunbook.verdict.report import (
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
+    from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -80,6 +81,16 @@ class JsonRenderer(Renderer):
 
     def judgement(self, judgement: Judgement, out: IO[str]) -> None:
         out.write(json_text(outcome_document(judgement)))
+
+    def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
+        from nanrunbook.capture.recovery import verification_document
+
+        out.write(json_text(verification_document(verification)))
+
+    def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
+        from nanrunbook.capture.recovery import record_document
+
+        out.write(json_text(record_document(record)))
 
 
 def outcome_document(outcome: CheckOutcome) -> dict[str, Any]:

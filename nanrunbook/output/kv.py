@@ -26,6 +26,7 @@ from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
+    from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -232,3 +233,44 @@ class KvRenderer(Renderer):
 
         out.write(f"event={event_value(event)}\n")
         out.flush()
+
+    def recovery_verification(self, verification: RecoveryVerification, out: IO[str]) -> None:
+        # Identifiers and numbers only; the path and the messages are free text.
+        lines = [f"recovery_point={'VERIFIED' if verification.verified else 'REJECTED'}"]
+        for key in ("point_id", "run_id"):
+            value = getattr(verification, key)
+            lines.append(f"{key}={value if value and IDENTIFIER.fullmatch(value) else '?'}")
+        step = verification.step
+        lines += [
+            f"step={step if step is not None else '?'}",
+            f"files={verification.files}",
+            f"bytes={verification.total_bytes}",
+            f"violations={len(verification.violations)}",
+        ]
+        lines += [f"violation={v.code} {kv_where(v.where)}" for v in verification.violations]
+        _write(lines, out)
+
+    def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
+        def safe(value: object) -> str:
+            text = "none" if value is None else str(value)
+            return text if IDENTIFIER.fullmatch(text) else "?"
+
+        lines = [
+            f"recovery={'PROVEN' if record.proven else 'NOT_PROVEN'}",
+            f"point_id={safe(record.point_id)}",
+            f"point_step={record.point_step}",
+            f"run_id={safe(record.run_id)}",
+            f"incident_step={record.incident_step}",
+            f"change={safe(record.change)}",
+            f"steps_run={len(record.steps_run)}",
+            f"held_at={record.held_at if record.held_at is not None else 'none'}",
+            f"digests_match={'true' if record.digests_match else 'false'}",
+            f"new_decision={safe(record.new_decision)}",
+            f"diff_verdict={safe(record.diff_verdict)}",
+            f"diff_outcome={safe(record.diff_outcome)}",
+            f"warnings={len(record.warnings)}",
+            *(f"warning={step} {code}" for step, code in record.warnings),
+            f"reasons={len(record.reasons)}",
+            f"reopen_decided_by={safe(record.reopen_decided_by)}",
+        ]
+        _write(lines, out)

@@ -21,7 +21,8 @@ once per training step (and per rank), with these fields in this order::
      "grad_headroom_from": "max_abs" | "tensor_norm" | "total_norm" | null,
      "weight_norm": float | null,
      "output": {"max_abs": float | null, "where": str | null, "dtype": str | null,
-                "headroom_bits": float | null, "nonfinite": [str]} | null}
+                "headroom_bits": float | null, "nonfinite": [str]} | null,
+     "reproduced": "REPRODUCED" | "NOT_REPRODUCED" | null}
 
 The sentinel appends ``activations`` (the extremes of a sampled step's module
 outputs, same keys as ``output``; null on the steps between samples), ``lr``
@@ -32,6 +33,8 @@ norm clipping computed (|g_i| <= ||g||), null when there is no headroom (or the
 writer is older). ``weight_norm`` (the updated parameters' L2 norm) and
 ``output`` (the model's reduced-precision output extreme, every step) were
 appended after it for the early warnings; a line without them reads as null.
+``reproduced`` (on a held step, or one skipped under ``transient="rerun"``:
+whether its replay on copies came out as the live step did) was appended last.
 
 Fields may be added only at the end; a reader ignores keys it does not know, so a
 newer writer's lines still read. A warning code is an upper-case identifier
@@ -171,6 +174,7 @@ class TelemetryRecord:
     grad_headroom_from: str | None = None  # one of HEADROOM_SOURCES
     weight_norm: float | None = None
     output: ActivationStats | None = None
+    reproduced: str | None = None  # one of REPRODUCTIONS, on a held or re-run step
 
     @property
     def overflow_absorbed(self) -> bool:
@@ -267,6 +271,7 @@ def record_document(record: TelemetryRecord) -> dict[str, Any]:
         "grad_headroom_from": record.grad_headroom_from,
         "weight_norm": record.weight_norm,
         "output": None if output is None else _extremes_document(output),
+        "reproduced": record.reproduced,
     }
 
 
@@ -458,6 +463,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
             d.get("weight_norm") is not None
             or d.get("output") is not None
             or d.get("activations") is not None
+            or d.get("reproduced") is not None
         ):
             return None  # the appended objects and norms: read by _checked_record
         nan, posinf, neginf, max_abs = g["nan"], g["posinf"], g["neginf"], g["max_abs"]
@@ -496,7 +502,7 @@ def _common_record(d: dict[str, Any]) -> TelemetryRecord | None:
         "loss": loss, "loss_class": "finite", "grad": grad, "update": update, "scale": scale,
         "found_inf": found_inf, "skipped": skipped, "held": held, "warnings": (), "bundle": bundle,
         "activations": None, "lr": lr, "grad_headroom_from": headroom_from,
-        "weight_norm": None, "output": None,
+        "weight_norm": None, "output": None, "reproduced": None,
     })  # fmt: skip
 
 
@@ -599,6 +605,7 @@ class CommonLine(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     grad_headroom_from: HeadroomSource | None = None
     weight_norm: float | None = None
     output: CommonOutput | None = None
+    reproduced: None = None  # set only on a held or re-run line, never uneventful
 
 
 COMMON_LINE = msgspec.json.Decoder(CommonLine)
@@ -654,9 +661,19 @@ def _checked_record(document: dict[str, Any]) -> TelemetryRecord:
         headroom_from,
         _number(document, "weight_norm") if "weight_norm" in document else None,
         _extremes(document.get("output"), "output"),
+        _reproduced(document.get("reproduced")),
         activations=_extremes(document.get("activations"), "activations"),
         lr=_number(document, "lr") if "lr" in document else None,
     )
+
+
+REPRODUCTIONS = ("REPRODUCED", "NOT_REPRODUCED")
+
+
+def _reproduced(value: Any) -> str | None:
+    if value is not None and value not in REPRODUCTIONS:
+        raise _invalid("reproduced", f"expected {' or '.join(REPRODUCTIONS)} or null")
+    return value  # type: ignore[no-any-return]
 
 
 def _extremes(document: Any, name: str) -> ActivationStats | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanrunbook._version import __version__
@@ -109,6 +109,14 @@ class SetMember:
     @property
     def rank(self) -> int | None:
         return self.declared.rank
+
+    def verdict_only(self) -> SetMember:
+        """This member without its report: its verdict, what it declares and its
+        bundle (what a text or kv answer shows of it), so that a set's members
+        can be judged by the thousand and their reports let go."""
+        bundle = self.document.get("bundle")
+        document = {} if bundle is None else {"bundle": bundle}
+        return replace(self, document=document, report=None)
 
     @property
     def accepted(self) -> bool:

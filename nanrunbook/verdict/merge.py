@@ -12,6 +12,11 @@ decision only if the report's own stage counts give it, and text is shown quoted
 unless printable. A report that cannot be read, or is not a
 nanrunbook report, counts as a rejected member that declares no rank: a HOLD
 elsewhere still stands, and the set cannot continue without it.
+
+The reports are streamed: one file is read, judged into its members' verdicts
+and let go before the next is read. Without ``keep_reports`` a member keeps its
+verdict and what it declares, not its report (only a JSON answer prints the
+members' whole reports), so the peak memory does not grow with the reports' size.
 """
 
 from __future__ import annotations
@@ -56,15 +61,21 @@ _CONTENT_ID = re.compile(re.escape(CONTRACT_ID_PREFIX) + "[0-9a-f]{64}")
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
-def merge_reports(paths: Iterable[str | os.PathLike[str]]) -> IncidentSet:
+def merge_reports(
+    paths: Iterable[str | os.PathLike[str]], *, keep_reports: bool = True
+) -> IncidentSet:
     """The set verdict from report files written by ``check --format json``: each
     holds a bundle's report or rejection, a set's report, or a list of them (``check``
-    of several paths). Never raises for what the files hold."""
+    of several paths). Never raises for what the files hold. ``keep_reports``
+    false: each member's ``document`` keeps only its ``bundle`` (what a text or kv
+    answer shows of it), and a report is let go once its members are judged."""
     sources: list[str] = []
     members: list[SetMember] = []
     for path in paths:
         sources.append(str(path))
-        members.extend(_members_of_file(Path(path)))
+        found = _members_of_file(Path(path))
+        members.extend(found if keep_reports else (m.verdict_only() for m in found))
+        del found  # the parsed report goes before the next file is read
     content_id = reference_value(members, lambda m: m.contract_content_id)
     return judge_set(
         members,
@@ -99,7 +110,19 @@ def _read(path: Path) -> bytes:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise OSError(0, "not a regular file")
-        data = handle.read(MAX_REPORT_BYTES + 1)
+        # Sized by the file, not the bound: read(bound) allocates the bound at once
+        # (a GiB per report, though the pages stay untouched), and it grows if the
+        # file does while it is read.
+        limit = MAX_REPORT_BYTES + 1
+        chunks, size, want = [], 0, min(info.st_size + 1, limit)
+        while size < limit:
+            chunk = handle.read(min(want, limit - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            want = 1 << 20
+        data = b"".join(chunks)
     if len(data) > MAX_REPORT_BYTES:
         raise OSError(0, "larger than 1 GiB")
     return data

@@ -26,6 +26,7 @@ __all__ = [
     "heaviest",
     "identifier",
     "model_binding",
+    "model_item",
     "optimizer_binding",
     "precision_binding",
     "random_state_binding",
@@ -85,6 +86,20 @@ def model_binding(state: Iterator[tuple[str, Any]], model: Any, extra: int = 0) 
         "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()) + extra,
     }
+
+
+def model_item(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The model item of a step: its digest covers the parameters the optimizer
+    holds outside the model too (``outside/group<g>.param<i>``)."""
+    inside = {id(p) for p in model.parameters()}
+    outside = [
+        (f"outside/group{g}.param{i}", p)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if id(p) not in inside
+    ]
+    state = [*model.state_dict().items(), *outside]
+    return model_binding(iter(state), model, sum(p.numel() for _, p in outside))
 
 
 def batch_binding(tensors: list[tuple[str, Any]]) -> dict[str, Any]:

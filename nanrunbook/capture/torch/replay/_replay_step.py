@@ -178,6 +178,7 @@ class Replayed:
     random_state: dict[str, Any]
     batch: dict[str, Any]
     inexact: list[str] = field(default_factory=list)  # why it may not repeat the live step
+    loss_bits: tuple[str, ...] = ()  # each micro-batch loss's stored bytes, hex
 
 
 # ------------------------------------------------------------------ the copies
@@ -265,6 +266,7 @@ class _Forward:
     stopped: str | None = None  # why backward was not run, if it was not
     random_state: dict[str, Any] = field(default_factory=dict)
     inexact: list[str] = field(default_factory=list)  # why the replay may not be the step
+    loss_bits: list[str] = field(default_factory=list)  # each loss's stored bytes, hex
 
 
 def _label(kind: str, index: int, count: int) -> str:
@@ -300,6 +302,7 @@ def _micro_batch(copies: _Copies, recipe: StepRecipe, index: int, forward: _Forw
     for dtype, elements in capture.weights.items():
         forward.weights[dtype] = forward.weights.get(dtype, 0) + elements
     forward.losses.append((_label("loss", index, count), loss, "compute_loss(model, batch)"))
+    forward.loss_bits.append(tensor_to_raw(loss.detach()).data.hex())
     if forward.stopped is not None:
         return
     if recipe.scaling.mode != "dynamic" and not bool(torch.isfinite(loss.detach()).all()):
@@ -535,6 +538,7 @@ def _replay_on_copies(
         random_state=forward.random_state,
         batch=batch,
         inexact=forward.inexact,
+        loss_bits=tuple(forward.loss_bits),
     )
 
 

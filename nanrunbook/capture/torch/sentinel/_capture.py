@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,17 +13,18 @@ from typing import Any
 
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
 from nanrunbook.capture.facts import LoopFacts
-from nanrunbook.capture.incident import incident_bundle_path
+from nanrunbook.capture.incident import Reproduction, StepSight, incident_bundle_path
+from nanrunbook.capture.torch._convert import tensor_to_raw
+from nanrunbook.capture.torch._faithfulness import device_facts
 from nanrunbook.capture.torch._offload import ReplayMemory
+from nanrunbook.capture.torch.capsule import HeldStep, annotate_replay, write_held_capsule
 from nanrunbook.capture.torch.replay import (
     COMPILED_LIVE,
-    EAGER_REPLAY,
-    Replayed,
     Scaling,
     StepRecipe,
     bind,
-    mark_eager,
-    model_binding,
+    leaf,
+    model_item,
     replay_recipe,
     scheduler_binding,
     topology_binding,
@@ -58,6 +60,9 @@ class Captured:
     report: Any  # nanrunbook.Report, when the bundle was written and checked
     error: str | None
     notes: tuple[str, ...] = ()  # how the replay differs from the live step, for the reason
+    reproduced: Reproduction | None = None  # the replay against the live step
+    capsule: Path | None = None  # the held step's capsule, to replay it later
+    capsule_error: str | None = None  # why there is none
 
 
 def _scaling(objects: StepObjects) -> Scaling:
@@ -68,67 +73,96 @@ def _scaling(objects: StepObjects) -> Scaling:
     return Scaling()
 
 
-def _model_item(objects: StepObjects) -> dict[str, Any]:
-    """The model's digest covers parameters the optimizer holds outside it too."""
-    inside = {id(p) for p in objects.model.parameters()}
-    outside = [
-        (f"outside/group{g}.param{i}", p)
-        for g, group in enumerate(objects.optimizer.param_groups)
-        for i, p in enumerate(group["params"])
-        if id(p) not in inside
-    ]
-    state = [*objects.model.state_dict().items(), *outside]
-    return model_binding(iter(state), objects.model, sum(p.numel() for _, p in outside))
-
-
-def _finite(nonfinite: bool) -> str:
-    return "non-finite" if nonfinite else "finite"
-
-
-def _differences(record: StepRecord, writer: Any) -> list[tuple[str, str]]:
-    """(stage, note) where the replay's loss or gradients are finite and the live
-    step's were not, or the reverse: evidence that the replay is not the step."""
-    found: list[tuple[str, str]] = []
-    replayed = writer.nonfinite("loss")
-    if record.loss_values and replayed is not None:
-        live = not all(math.isfinite(v) for v in record.loss_values)
-        if live != replayed:
-            found.append(
-                (
-                    "loss",
-                    f"the live step's loss was {_finite(live)}, the replay's is {_finite(replayed)}",
-                )
-            )
+def _live_finiteness(record: StepRecord) -> dict[str, Any]:
+    """Whether the live step's loss and gradients were non-finite (under DDP this
+    rank's own gradients, as its replay's backward is its own)."""
+    values = record.loss_values
     grads = record.grads
-    replayed = writer.nonfinite("backward")
-    if replayed is not None:
-        # Under DDP the replay is this rank's own backward: compare with its own gradients.
-        live = not grads.local_finite if grads.local_finite is not None else grads.tripped
-        live = live or bool(grads.found_inf)
-        if live != replayed:
-            found.append(
-                (
-                    "backward",
-                    f"the live step's gradients were {_finite(live)},"
-                    f" the replay's are {_finite(replayed)}",
-                )
-            )
-    return found
+    backward = not grads.local_finite if grads.local_finite is not None else grads.tripped
+    return {
+        "loss_nonfinite": (not all(math.isfinite(v) for v in values)) if values else None,
+        "backward_nonfinite": bool(backward or grads.found_inf),
+    }
 
 
-def _compare(objects: StepObjects, record: StepRecord, replayed: Replayed) -> list[str]:
-    """Mark the eager replay of a compiled model and the differences from the
-    live step in the stages' probe sources; the notes for the hold's reason."""
-    notes: list[str] = []
-    writer = replayed.writer
-    if objects.compiled:
-        mark_eager(writer)
-        notes.append(EAGER_REPLAY)
-        replayed.inexact.append(COMPILED_LIVE)
-    for stage, note in _differences(record, writer):
-        writer.annotate(stage, f"replay differs from the live step: {note}")
-        notes.append(f"replay differs from the live step: {note}")
-    return notes
+_CHECKED = ("loss", "backward", "optimizer")  # the boundaries the live step checks
+
+
+def _sums(counts: Any) -> tuple[int, int, int]:
+    return (
+        sum(c.nan for c in counts),
+        sum(c.posinf for c in counts),
+        sum(c.neginf for c in counts),
+    )
+
+
+def live_sight(record: StepRecord, *, peer: bool = False) -> StepSight:
+    """What the live step saw: its losses' bits and counts, its gradients' counts
+    (exact when the check counted them; none when it saw them finite), the
+    update's finiteness; ``peer``: held for another rank, its own values finite."""
+    values = record.loss_values
+    loss = (
+        sum(math.isnan(v) for v in values),
+        sum(v == math.inf for v in values),
+        sum(v == -math.inf for v in values),
+    )
+    grads = record.grads
+    gradients: tuple[int, int, int] | None = None
+    if grads.local_finite is None:  # under DDP the live counts are after the all-reduce
+        if grads.counts:
+            gradients = _sums(grads.counts)
+        elif not (grads.tripped or grads.found_inf):
+            gradients = (0, 0, 0)
+    update = record.update
+    stage = None
+    if grads.local_finite is not None:  # this rank's own gradients, as its replay's
+        backward = not grads.local_finite
+    else:
+        backward = bool(grads.tripped or grads.found_inf or (gradients and any(gradients)))
+    if not peer:
+        if any(loss):
+            stage = "loss"
+        elif backward:
+            stage = "backward"
+        elif update is not None and (update.nan or update.posinf or update.neginf):
+            stage = "optimizer"
+    bits = tuple(tensor_to_raw(value).data.hex() for value in record.losses)
+    return StepSight(stage, bits, loss, gradients)
+
+
+def replay_sight(report: Report, loss_bits: tuple[str, ...]) -> StepSight:
+    """What a replay's checked bundle saw at the same boundaries."""
+    found = {finding.stage: finding for finding in report.stages}
+
+    def counted(stage: str) -> tuple[int, int, int] | None:
+        counts = found[stage].counts
+        return None if counts is None else (counts.nan, counts.posinf, counts.neginf)
+
+    stage = next((s for s in _CHECKED if any(counted(s) or ())), None)
+    return StepSight(stage, loss_bits, counted("loss") or (0, 0, 0), counted("backward"))
+
+
+def where_it_ran(model: Any, rank: int | None) -> dict[str, Any]:
+    """The host, device (and CUDA device UUID) and rank a reproduction names."""
+    param = next(iter(model.parameters()), None)
+    facts = device_facts(param.device if param is not None else "cpu")
+    return {
+        "host": socket.gethostname(),
+        "device": str(facts["device"]),
+        "device_uuid": facts.get("gpu_uuid"),
+        "rank": rank,
+    }
+
+
+def stated_binding(
+    facts: LoopFacts, step: int, recovery: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What the loop states of step ``step``, its checkpoint item with the
+    ``recovery`` detail fields (whether the last known-good state was verified)."""
+    given = facts.binding(step)
+    if recovery:
+        given["checkpoint"] = {**given["checkpoint"], **recovery}
+    return given
 
 
 def capture_step(
@@ -142,13 +176,21 @@ def capture_step(
     topology: Mapping[str, Any] | None = None,
     *,
     peer: bool = False,
+    policy: str = "hold",
+    recovery: Mapping[str, Any] | None = None,
+    capsule: bool = True,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle (as ``rank`` of the job, into the
     incident directory's ``attempt``, default the first free; ``topology``: more
     of the topology item, the voting group's rank and size), check it. Never
     raises: a capture that fails is reported, and the hold stands without it.
-    ``peer``: the step holds because another rank's values went non-finite."""
+    ``peer``: the step holds because another rank's values went non-finite;
+    ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
+    ``recovery``: detail fields for the checkpoint item (whether the last
+    known-good state was verified by the tool or stated by the loop).
+    ``capsule``: write the held step's capsule into its bundle (a hold's real
+    state is its pre-step state; a step that goes on is not held)."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -173,11 +215,15 @@ def capture_step(
             last_known_good=last_known_good,
             spool_dir=run_directory,  # the tensors stream to disk as they are taken
         )
-        notes = _compare(objects, record, replayed)
-        derived = {"model": _model_item(objects), "scheduler": scheduler_binding(objects.scheduler)}
+        live = _live_finiteness(record)
+        notes = annotate_replay(replayed, live, objects.compiled)
+        derived = {
+            "model": model_item(objects.model, objects.optimizer),
+            "scheduler": scheduler_binding(objects.scheduler),
+        }
         if topology is not None:
             derived["topology"] = {**topology_binding(), **topology}
-        given = facts.binding(record.number)
+        given = stated_binding(facts, record.number, recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)
@@ -192,7 +238,37 @@ def capture_step(
     log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
         log.error("step %d: %s", record.number, note)
-    return Captured(target, report, None, tuple(notes))
+    reproduced = Reproduction.compare(
+        live_sight(record, peer=peer),
+        replay_sight(report, replayed.loss_bits),
+        **where_it_ran(objects.model, rank),
+        policy=policy,
+    )
+    log.error("step %d: %s", record.number, reproduced.line())
+    if not capsule:
+        return Captured(target, report, None, tuple(notes), reproduced)
+    held = HeldStep(
+        model=objects.model,
+        optimizer=objects.optimizer,
+        scheduler=objects.scheduler,
+        scaler=objects.scaler,
+        loss_scale=objects.loss_scale,
+        micro_batches=recipe.micro_batches,
+        clipping=recipe.clipping,
+        custom_modules=objects.choose is not leaf,
+        compiled=objects.compiled,
+        run_id=facts.run_id,
+        step=record.number,
+        incident_owner=facts.incident_owner,
+        last_known_good=last_known_good,
+        given=given,
+        topology=derived.get("topology"),
+        live=live,
+        reproduced=reproduced,
+        bundle_evidence_id=report.manifest.evidence_content_id,
+    )
+    written, capsule_error = write_held_capsule(target, held)
+    return Captured(target, report, None, tuple(notes), reproduced, written, capsule_error)
 
 
 def held_line(step: int, target: Path, report: Report, *, peer: bool = False) -> str:

@@ -23,6 +23,7 @@ from nanrunbook.capture.telemetry import (
     EarlyWarnings,
     TelemetryFile,
     Thresholds,
+    alert,
     divergence_alerts,
     finite_or_none,
     headroom_bits,
@@ -37,6 +38,11 @@ from nanrunbook.capture.torch.sentinel._checks import (
     exact_counts,
     gradients,
     joined,
+)
+from nanrunbook.capture.torch.sentinel._fsdp import (
+    OwnGradients,
+    capture_sharded_step,
+    local_view,
 )
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
@@ -57,15 +63,20 @@ class Decisions:
     scaler: Any
     loss_scale: float | None
     policy: str
+    transient: str
     thresholds: Thresholds
     facts: LoopFacts
     objects: StepObjects
     ranks: Ranks
     incident_dir: Path
     last_known_good: dict[str, Any]
+    last_known_good_recovery: str  # "verified" (a point the tool verified) or "stated"
+    capture_steps: frozenset[int]  # steps whose bundle is captured whatever the verdict
+    captured: dict[int, Path]  # their bundles
     last_step: int
     _params: list[Any]
-    _local: LocalGradients | None
+    _local: LocalGradients | OwnGradients | None
+    sharded: bool
     _grad_dtype: str | None
     _step: StepRecord | None
     _pending: StepRecord | None
@@ -100,6 +111,8 @@ class Decisions:
         failure: Exception | None = None
         try:
             grads = gradients(self._params)
+            if self.sharded:
+                grads = local_view(grads)  # each rank checks its shards: no collective
             found_inf = self._found_inf() if scaler_path else None
             flags = self._pack(readout, step, previous, grads, found_inf)
         except Exception as error:
@@ -138,7 +151,29 @@ class Decisions:
             return self._update_incident(previous, "", step, agreed, own=not update_ok)
         if previous is not None:
             self._finish(previous)
+        if outcome.kind == "healthy" and step.number in self.capture_steps:
+            self._capture_healthy(step)
         return self._apply(step, outcome, agreed)
+
+    def _capture_healthy(self, step: StepRecord) -> None:
+        """The bundle of a step asked for (``capture_steps``) that goes on: its
+        replay on copies, before the update (a proof of recovery needs the
+        incident step's bundle whatever its verdict)."""
+        captured = capture_step(
+            self.objects,
+            self.facts,
+            step,
+            self.last_known_good,
+            self.incident_dir,
+            self.ranks.member,
+            None,
+            self._topology(),
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
+            capsule=False,  # the step goes on: no held state to keep
+        )
+        step.buffers.restore()  # whatever the replay's compute_loss touched
+        if captured.bundle is not None:
+            self.captured[step.number] = captured.bundle
 
     def _fail(
         self,
@@ -217,7 +252,7 @@ class Decisions:
         if norms is not None:
             flags.append(norms.total)
         elif step.clip is not None:
-            flags.append(step.clip.total)
+            flags.append(step.clip.checked)
         if found_inf is not None:
             flags.append(torch.where(found_inf > 0, math.inf, 0.0))
         local = self._local.take() if self._local is not None else None
@@ -323,10 +358,11 @@ class Decisions:
             return self._scaler_outcome(step, counts)
         if grads.tripped:
             if grads.local_finite is not None:
+                collective = self._local.collective if self._local is not None else "all-reduce"
                 counts += (
-                    "; this rank's own gradients were finite before the all-reduce"
+                    f"; this rank's own gradients were finite before the {collective}"
                     if grads.local_finite
-                    else "; already in this rank's own gradients, before the all-reduce"
+                    else f"; already in this rank's own gradients, before the {collective}"
                 )
             return Outcome("incident", f"non-finite gradients: {counts}", "backward")
         return Outcome("healthy")
@@ -370,6 +406,8 @@ class Decisions:
             step.warnings += self._early.scaler(False, step.scale, step.scale)
         step.warnings += self._early.skipped(False)
         step.updated = [p for p in self._params if p.grad is not None]
+        if self.sharded:
+            step.updated = local_view(step.updated)  # the update flag reads the local shards
         if step.sampler is not None:
             step.before = [p.detach().clone() for p in step.updated]
         if self._snapshot is not None:
@@ -395,7 +433,10 @@ class Decisions:
         if self.policy == "skip" and outcome.kind == "incident" and not self._may_skip(0):
             reason += f"; {skips} consecutive skipped steps"
         stage = outcome.stage if mine else None
-        raise self._hold(step, reason, stage, agreed.attempt)
+        hold = self._hold(step, reason, stage, agreed.attempt)
+        if hold is None:  # not reproduced, and the policy re-runs: skipped, recorded
+            return STOP
+        raise hold
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
@@ -410,13 +451,27 @@ class Decisions:
         stage: str | None,
         attempt: int = 0,
         skipped: StepRecord | None = None,
-    ) -> SentinelHold:
+    ) -> SentinelHold | None:
         """Capture the step's bundle, write its line (and the line of ``skipped``,
         the step run on it), then exchange the ranks' verdicts (after the lines:
-        a hold whose exchange fails still left them); the exception to raise."""
+        a hold whose exchange fails still left them); the exception to raise.
+        None under ``transient="rerun"`` (one process) when the replay did not
+        reproduce the live step: the step is skipped, its evidence kept."""
         self._held = True
         several = self.ranks.several
-        captured = capture_step(
+        rerun = self.transient == "rerun" and not several  # one process: no second vote
+        capture = capture_step
+        if self.sharded:  # no copy of an FSDP2 module: the live held step's evidence
+
+            def capture(*args: Any, **kwargs: Any) -> Any:
+                # No replay on copies, so no reproduction to judge (the policy is
+                # moot) and no capsule: a sharded capsule is not written yet.
+                kwargs.pop("policy", None)
+                return capture_sharded_step(
+                    *args, **kwargs, own_gradients=lambda: step.grads.local_finite
+                )
+
+        captured = capture(
             self.objects,
             self.facts,
             step,
@@ -426,12 +481,19 @@ class Decisions:
             attempt if several else None,
             self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
+            policy="rerun" if rerun else "hold",
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report
         decision = report.decision if report is not None else None
         found = decision.earliest_nonfinite_stage if decision is not None else stage
-        self._finish(step, held=True, bundle=captured.bundle)
+        reproduced = captured.reproduced
+        if reproduced is not None and not reproduced.reproduced and rerun:
+            self._not_reproduced(step, captured, reproduced, skipped)
+            return None
+        verdict = reproduced.verdict if reproduced is not None else None
+        self._finish(step, held=True, bundle=captured.bundle, reproduced=verdict)
         if skipped is not None:
             self._finish(skipped, skipped=True)
         origin = self.ranks.origin(
@@ -446,7 +508,26 @@ class Decisions:
             last_known_good=self.last_known_good,
             capture_error=captured.error,
             origin_ranks=origin if several else None,
+            reproduced=reproduced,
+            capsule=captured.capsule,
+            capsule_error=captured.capsule_error,
         )
+
+    def _not_reproduced(
+        self, step: StepRecord, captured: Any, reproduced: Any, skipped: StepRecord | None
+    ) -> None:
+        """The re-run (the replay from the same state and random state) came out
+        finite where the live step did not: a transient fault. The step stays
+        skipped (its update was never applied), its bundle and capsule kept."""
+        self._held = False
+        message = (
+            f"step {step.number} skipped, not held: {reproduced.line()}; bundle {captured.bundle}"
+        )
+        log.warning("%s", message)
+        step.warnings.append(alert("STEP_NOT_REPRODUCED", message))
+        self._finish(step, skipped=True, bundle=captured.bundle, reproduced=reproduced.verdict)
+        if skipped is not None:
+            self._finish(skipped, skipped=True)
 
     def _topology(self) -> dict[str, Any] | None:
         """The bundle's topology: the job's rank and size, with the voting group's."""
@@ -541,7 +622,10 @@ class Decisions:
                 self._finish(current, skipped=True)
             return STOP
         reason += "; rolled back to the pre-step snapshot"
-        raise self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        hold = self._hold(previous, reason, "optimizer", agreed.previous_attempt, skipped=current)
+        if hold is None:
+            return STOP
+        raise hold
 
     def _contaminated(
         self, previous: StepRecord, current: StepRecord | None, reason: str, attempt: int
@@ -561,6 +645,8 @@ class Decisions:
             contaminated=True,
             capture_error="no pre-step snapshot to replay from (Sentinel(snapshot=True) keeps one)",
             origin_ranks=origin if self.ranks.several else None,
+            capsule_error="the real state holds the non-finite update (no snapshot): no capsule"
+            " is written, nothing can replay the step bit for bit",
         )
 
     # ------------------------------------------------------------- the line
@@ -572,13 +658,14 @@ class Decisions:
         skipped: bool = False,
         held: bool = False,
         bundle: Path | None = None,
+        reproduced: str | None = None,
     ) -> None:
         warnings = [*self._carry, *step.warnings]
         self._carry = []
-        for alert in warnings:
-            if alert.code not in self._logged_codes:  # a streak is logged once, when it starts
-                log.warning("step %d: %s: %s", step.number, alert.code, alert.message)
-        self._logged_codes = {alert.code for alert in warnings}
+        for warning in warnings:
+            if warning.code not in self._logged_codes:  # a streak is logged once, when it starts
+                log.warning("step %d: %s: %s", step.number, warning.code, warning.message)
+        self._logged_codes = {warning.code for warning in warnings}
         if self._telemetry is None:
             return
         grad = step.grads.telemetry(self._grad_dtype)
@@ -603,6 +690,7 @@ class Decisions:
             grad_headroom_from=step.grads.headroom_from(grad),
             weight_norm=step.weight_norm,
             output=step.output,
+            reproduced=reproduced,
         )
         self._telemetry.append(record)
 

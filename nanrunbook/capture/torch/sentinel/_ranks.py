@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from nanrunbook.contract import STAGE_ORDER
+from nanrunbook.records import origin_of
 
 __all__ = ["ACTIONS", "EXCHANGE_TIMEOUT", "KINDS", "LocalGradients", "Outcome", "Proposal", "Ranks"]
 
@@ -198,13 +199,7 @@ class Ranks:
             earliest = min(index for index, _ in holding)
             origin = tuple(sorted(r for index, r in holding if index == earliest))
         if self.group_rank == 0:
-            kind = (
-                "NONE"
-                if not origin
-                else "ONE_RANK"
-                if len(origin) == 1
-                else ("ALL_RANKS" if len(origin) == self.group_size else "SOME_RANKS")
-            )
+            kind = origin_of(origin, self.group_size)
             where = STAGE_ORDER[min(i for i, _ in holding)] if holding else "none"
             log.error(
                 "%s held on all %d ranks of the group; origin ranks %s (%s) at %s",
@@ -233,7 +228,9 @@ class LocalGradients:
     bucket on this rank before the all-reduce mixes it with the others' (then
     all-reduces it as DDP's default hook does, over the DDP module's own process
     group): the check before the collective, which tells the rank whose own
-    gradients went non-finite."""
+    gradients went non-finite. ``collective`` names it for the hold's reason."""
+
+    collective = "all-reduce"
 
     def __init__(self, ddp: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

@@ -38,6 +38,7 @@ import torch
 
 from nanrunbook.capture.facts import Cursor, LoopFacts, recovery_point
 from nanrunbook.capture.incident import SentinelHold, rank_member
+from nanrunbook.capture.recovery import RecoveryPoint
 from nanrunbook.capture.telemetry import (
     EarlyWarnings,
     TelemetryFile,
@@ -58,6 +59,12 @@ from nanrunbook.capture.torch.replay import (
 )
 from nanrunbook.capture.torch.sentinel._capture import StepObjects
 from nanrunbook.capture.torch.sentinel._decide import STOP, Decisions
+from nanrunbook.capture.torch.sentinel._fsdp import (
+    OwnGradients,
+    is_fully_sharded,
+    local,
+    replicated,
+)
 from nanrunbook.capture.torch.sentinel._intercept import Intercepts
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Ranks
 from nanrunbook.capture.torch.sentinel._snapshot import (
@@ -75,6 +82,7 @@ __all__ = ["Policy", "Sentinel"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 Policy = Literal["hold", "skip"]
+Transient = Literal["hold", "rerun"]
 
 
 def _refuse_closure_optimizer(optimizer: Any) -> None:
@@ -133,7 +141,17 @@ class Sentinel(Decisions):
     each forward and restored for the replay (the run's are left as they were).
     ``host_random`` false skips numpy's and Python's (numpy's ``get_state``
     costs about 1 ms a forward): a replay that draws from them is then marked
-    inexact.
+    inexact. ``transient``: what a hold does when its replay on copies (the step
+    run again from the same state and random state) does not come out as the
+    live step did (``SentinelHold.reproduced`` NOT_REPRODUCED: a transient fault
+    or a nondeterministic kernel): ``hold`` (the default) holds all the same;
+    ``rerun`` holds only if the re-run failed again, else skips the step (its
+    update never applied), keeps its bundle and capsule, warns
+    STEP_NOT_REPRODUCED and goes on (one process; several ranks hold). The
+    telemetry line's ``reproduced`` records it either way.
+    ``capture_steps``: steps whose bundle is captured (a replay on
+    copies, before the update) even when they go on; found in ``captured``
+    (a proof of recovery needs its incident step's).
     """
 
     def __init__(
@@ -151,6 +169,7 @@ class Sentinel(Decisions):
         scheduler: Any = None,
         loss_scale: float | None = None,
         policy: Policy = "hold",
+        transient: Transient = "hold",
         thresholds: Thresholds | None = None,
         snapshot: bool | SnapshotPlace = False,
         incident_dir: str | Path = "incident",
@@ -161,10 +180,13 @@ class Sentinel(Decisions):
         generators: Iterable[Any] = (),
         host_random: bool = True,
         replay_memory: ReplayMemory = "auto",
+        capture_steps: Iterable[int] = (),
     ) -> None:
         _refuse_closure_optimizer(optimizer)
         if policy not in ("hold", "skip"):
             raise ValueError(f"policy is 'hold' or 'skip', not {policy!r}")
+        if transient not in ("hold", "rerun"):
+            raise ValueError(f"transient is 'hold' or 'rerun', not {transient!r}")
         if replay_memory not in REPLAY_MEMORY:
             raise ValueError(f"replay_memory is one of {REPLAY_MEMORY}, not {replay_memory!r}")
         self.facts = LoopFacts.of(
@@ -180,9 +202,16 @@ class Sentinel(Decisions):
         self.scheduler = scheduler
         self.loss_scale = _static_scale(loss_scale, self.scaler)
         self.policy: Policy = policy
+        self.transient: Transient = transient
         self.thresholds = thresholds or Thresholds()
         self.incident_dir = Path(incident_dir)
         self.ranks = Ranks(process_group)
+        self.sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
+        if self.sharded and self.scaler is not None:
+            raise ValueError(
+                "a GradScaler under FSDP2 is not supported by the sentinel: use"
+                " MixedPrecisionPolicy with bfloat16, or a static loss_scale"
+            )
         self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
         self.host_random = host_random
         replayed, compiled = eager_module(model)
@@ -198,10 +227,18 @@ class Sentinel(Decisions):
             memory=replay_memory,
         )
         self._local = self._local_gradients(model)
+        self.capture_steps = frozenset(capture_steps)
+        self.captured: dict[int, Path] = {}
         self._setup_state(snapshot, telemetry)
         self._install()
 
-    def _local_gradients(self, model: Any) -> LocalGradients | None:
+    def _local_gradients(self, model: Any) -> LocalGradients | OwnGradients | None:
+        if self.sharded and self.ranks.distributed:
+            try:
+                return OwnGradients(model)
+            except (RuntimeError, ValueError) as error:  # several parameter groups a module
+                log.info("gradients are checked after the reduce-scatter only: %s", error)
+                return None
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return None
         try:
@@ -216,6 +253,7 @@ class Sentinel(Decisions):
         self, snapshot: bool | SnapshotPlace, telemetry: str | Path | Literal[False] | None
     ) -> None:
         self.last_known_good: dict[str, Any] = dict(self.facts.start)
+        self.last_known_good_recovery = "stated"  # the loop's word, until a point is verified
         self.last_step = self.facts.start_step  # the last step decided
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         weights: dict[str, int] = {}
@@ -321,6 +359,12 @@ class Sentinel(Decisions):
             )
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if self.sharded:  # a DTensor norm, whole on every rank; the checks read its value
+            total = replicated(total)
+            step.clip = ClipCall(
+                params, float(max_norm), float(norm_type), foreach, total, local(total)
+            )
+            return total
         step.clip = ClipCall(params, float(max_norm), float(norm_type), foreach, total)
         return total
 
@@ -328,9 +372,11 @@ class Sentinel(Decisions):
         self, checkpoint_id: str, *, verified_together: Iterable[str], step: int | None = None
     ) -> None:
         """The loop saved a checkpoint after step ``step`` (default: the last one);
-        with all five parts verified together it becomes the last known-good state.
-        The last update is checked first: a checkpoint holding a non-finite update
-        is never a recovery point."""
+        with all five parts verified together it becomes the last known-good state,
+        as *stated* by the loop (RECOVERY_POINT_STATED; the bundle's checkpoint
+        item says ``last_known_good_recovery: stated``): the tool checked none of
+        it, :meth:`save_recovery_point` does. The last update is checked first: a
+        checkpoint holding a non-finite update is never a recovery point."""
         if self._step is not None:
             raise RuntimeError("checkpointed() between a forward and its optimizer step")
         parts = list(verified_together)
@@ -342,11 +388,69 @@ class Sentinel(Decisions):
                 f"checkpoint {checkpoint_id} verified {sorted(parts)}, not all five parts;"
                 f" the last known-good state stays {self.last_known_good['checkpoint_id']}",
             )
-            # On the line of the step the checkpoint follows, when it is still unwritten.
-            (self._pending.warnings if self._pending is not None else self._carry).append(warning)
+        else:
+            warning = alert(
+                "RECOVERY_POINT_STATED",
+                f"checkpoint {checkpoint_id} is the last known-good state as the loop states it;"
+                " the tool verified none of its parts (save_recovery_point does)",
+            )
+        # On the line of the step the checkpoint follows, when it is still unwritten.
+        (self._pending.warnings if self._pending is not None else self._carry).append(warning)
         self._resolve_pending(checkpointing=checkpoint_id)  # holds on a non-finite update
         if point is not None:
             self.last_known_good = point
+            self.last_known_good_recovery = "stated"
+
+    def save_recovery_point(
+        self,
+        path: str | Path,
+        *,
+        data: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        point_id: str | None = None,
+    ) -> RecoveryPoint:
+        """Write and verify a recovery point of the state after the last step:
+        the sentinel's model, optimizer, scheduler, scaler and generators, the
+        random states, and ``data`` (a loader or sampler with ``state_dict()``;
+        default the loop's ``loader_cursor``, recorded as a cursor). The last
+        update is checked first (a non-finite one holds: never a recovery
+        point); the point becomes the last known-good state once verified."""
+        if self._step is not None:
+            raise RuntimeError("save_recovery_point() between a forward and its optimizer step")
+        from nanrunbook.capture.torch.recovery import save_recovery_point
+
+        self._resolve_pending(checkpointing=str(path))  # holds on a non-finite update
+        saved = save_recovery_point(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            data=data if data is not None else self.facts.loader_cursor,
+            extra=extra,
+            step=self.last_step,
+            run_id=self.facts.run_id,
+            generators=self.generators,
+            point_id=point_id,
+        )
+        self.resumed_from(saved)
+        return saved
+
+    def resumed_from(self, point: RecoveryPoint) -> None:
+        """The last known-good state is ``point``, a recovery point the tool
+        verified at the sentinel's last step (one it just saved), or, before a
+        fresh sentinel's first step, the point a run resumed from with
+        ``load_recovery_point``: its steps then go on from the point's."""
+        if self._step is not None:
+            raise RuntimeError("resumed_from() between a forward and its optimizer step")
+        fresh = self.last_step == self.facts.start_step and self._pending is None
+        if point.step != self.last_step and not (fresh and point.step > self.last_step):
+            raise ValueError(
+                f"point {point.point_id} is step {point.step}, the run is at {self.last_step}"
+            )
+        self.last_step = point.step  # a fresh sentinel goes on from the point's step
+        self.last_known_good = point.last_known_good
+        self.last_known_good_recovery = "verified"
 
     def close(self) -> None:
         """Check the last update, write its line, and take the wrappers off."""

@@ -74,10 +74,15 @@ class StateSnapshot:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.where = where
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        from nanrunbook.capture.torch.sentinel._fsdp import local
+
+        # The tensors whose bits are copied: FSDP2's DTensor parameters by their
+        # local shards (no foreach copy takes DTensors), any other the parameter.
+        self._values = [local(p) for p in self.params]
         on_cuda = where == "host" and any(p.device.type == "cuda" for p in self.params)
         self._pinned = on_cuda
         self._stream: Any = torch.cuda.Stream() if on_cuda else None  # type: ignore[no-untyped-call]
-        self._params = [self._buffer_like(p) for p in self.params]
+        self._params = [self._buffer_like(p) for p in self._values]
         self._state: list[dict[str, Any]] = [{} for _ in self.params]
         self._devices: dict[tuple[str, int], Any] = {}  # (key, id of param) -> its device
         self._groups: list[dict[str, Any]] = []
@@ -121,9 +126,9 @@ class StateSnapshot:
     def take(self) -> None:
         with torch.no_grad(), self._side():
             if self.where == "device":
-                torch._foreach_copy_(self._params, [p.detach() for p in self.params])
+                torch._foreach_copy_(self._params, [p.detach() for p in self._values])
             else:
-                for buffer, param in zip(self._params, self.params, strict=True):
+                for buffer, param in zip(self._params, self._values, strict=True):
                     buffer.copy_(param.detach(), non_blocking=self._pinned)
             for index, param in enumerate(self.params):
                 live = self.optimizer.state.get(param, {})
@@ -164,9 +169,9 @@ class StateSnapshot:
             self._stream.synchronize()  # a hold: the copies must have landed
         with torch.no_grad():
             if self.where == "device":
-                torch._foreach_copy_([p.data for p in self.params], self._params)
+                torch._foreach_copy_([p.data for p in self._values], self._params)
             else:
-                for param, buffer in zip(self.params, self._params, strict=True):
+                for param, buffer in zip(self._values, self._params, strict=True):
                     param.data.copy_(buffer)
         for param, saved in zip(self.params, self._state, strict=True):
             live = self.optimizer.state.get(param, {})

@@ -50,7 +50,13 @@ class ClipCall:
     norm_type: float
     foreach: bool | None
     total: Any
+    local_total: Any = None  # under FSDP2: ``total`` (a DTensor) as a local tensor
     applied: bool = False
+
+    @property
+    def checked(self) -> Any:
+        """The norm the checks read: a tensor on this rank."""
+        return self.total if self.local_total is None else self.local_total
 
     def apply(self) -> None:
         if not self.applied:
@@ -285,7 +291,7 @@ def grad_probe(
     """Pack what the gradient check needs: the norm clipping computed (the loop's
     answer), else the scaler's found_inf (its answer), else a fused norm."""
     if clip is not None:
-        readout.add("norm", clip.total)
+        readout.add("norm", clip.checked)
     if found_inf is not None:
         readout.add("found_inf", found_inf)
     if clip is not None or found_inf is not None:

@@ -1,0 +1,146 @@
+"""What a recovery point costs against torch.distributed.checkpoint's own, in
+the same run (issue 28's numbers):
+
+* save: ``save_recovery_point`` against ``dcp.save`` of the same state plus one
+  SHA-256 pass over the bytes it wrote (the budget: at most that sum);
+* verify: ``verify_recovery_point`` (what ``nanrunbook verify-recovery`` runs)
+  against one SHA-256 stream over the point's files (budget: 1.1x);
+* resume: ``load_recovery_point`` (verify, read, check every part, restore,
+  digest the restored state; and without that digest) against ``dcp.load``
+  into the live state dict (budget: 1.2x).
+
+The state is an MLP's parameters and its Adam moments (about ``--megabytes``
+in all), on the CPU; files are in the page cache (the second of ``--repeat``
+runs onward; the median is reported), so the figures compare compute, not the
+disk. ::
+
+    python bench/bench_recovery.py [--megabytes 256] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from nanrunbook.capture.torch import load_recovery_point, save_recovery_point, verify_recovery_point
+
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+
+
+def build(megabytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP whose parameters and Adam state total about ``megabytes`` MiB."""
+    width = 1024
+    layers = max(1, round(megabytes * 2**20 / 3 / 4 / (width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def sha_stream(directory: Path) -> str:
+    """One SHA-256 over every file below ``directory``, one 1 MiB buffer, one core."""
+    digest = hashlib.sha256()
+    view = memoryview(bytearray(1 << 20))
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [view]):
+                digest.update(view[:n])
+        finally:
+            os.close(fd)
+    return digest.hexdigest()
+
+
+def timed(run: Callable[[], Any], repeat: int, before: Callable[[], Any] = lambda: None) -> float:
+    """Median wall time of ``run`` over ``repeat`` runs, ``before`` untimed each time."""
+    times = []
+    for _ in range(repeat):
+        before()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megabytes", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    model, optimizer = build(args.megabytes)
+    root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    try:
+        dcp_dir, point = root / "dcp", root / "point"
+
+        def clear(*paths: Path) -> Callable[[], None]:
+            return lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths]  # type: ignore[func-returns-value]
+
+        def dcp_save_once() -> None:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            dcp_save(state, storage_writer=FileSystemWriter(dcp_dir, sync_files=True), no_dist=True)
+
+        def ours_save_once() -> None:
+            save_recovery_point(point, model=model, optimizer=optimizer, step=1, run_id="bench")
+
+        t_dcp_save = timed(dcp_save_once, args.repeat, clear(dcp_dir))
+        t_save = timed(ours_save_once, args.repeat, clear(point))
+        size = sum(p.stat().st_size for p in point.rglob("*") if p.is_file())
+        t_sha = timed(lambda: sha_stream(point), args.repeat)
+        t_verify = timed(lambda: verify_recovery_point(point), args.repeat)
+        assert verify_recovery_point(point).verified
+
+        def dcp_load_once() -> None:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            dcp_load(state, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
+
+        def ours_load_once() -> None:
+            load_recovery_point(point, model=model, optimizer=optimizer)
+
+        def ours_load_undigested() -> None:
+            load_recovery_point(point, model=model, optimizer=optimizer, check_digests=False)
+
+        t_dcp_load = timed(dcp_load_once, args.repeat)
+        t_load = timed(ours_load_once, args.repeat)
+        t_load_bare = timed(ours_load_undigested, args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    mib = size / 2**20
+    print(f"state {mib:.0f} MiB ({size} bytes in the point), median of {args.repeat}, same run")
+    print(f"SHA-256 stream over the point: {t_sha:.3f} s ({mib / t_sha:.0f} MiB/s)")
+    budget = t_dcp_save + t_sha
+    print(
+        f"save    {t_save:.3f} s   dcp.save {t_dcp_save:.3f} s + one SHA-256 pass {t_sha:.3f} s"
+        f" = {budget:.3f} s   ratio {t_save / budget:.2f} (budget 1.00)"
+    )
+    print(
+        f"verify  {t_verify:.3f} s   one SHA-256 stream {t_sha:.3f} s"
+        f"   ratio {t_verify / t_sha:.2f} (budget 1.10)"
+    )
+    print(
+        f"resume  {t_load:.3f} s   dcp.load {t_dcp_load:.3f} s"
+        f"   ratio {t_load / t_dcp_load:.2f} (budget 1.20)"
+    )
+    print(
+        f"resume without the restored state's digests (check_digests=False)  {t_load_bare:.3f} s"
+        f"   ratio {t_load_bare / t_dcp_load:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

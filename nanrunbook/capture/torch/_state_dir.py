@@ -1,0 +1,466 @@
+"""A directory of training state: torch.distributed.checkpoint (DCP) files under
+``state/``, JSON documents beside them, and a manifest of every file's SHA-256
+and size written last. The one home of it for recovery points and capsules.
+
+Written atomically (a temporary directory beside the target, every file and
+folder fsync'd, the manifest last, a rename, the parent fsync'd: DCP's own
+``.metadata`` rename does not fsync its folder). Read back only after
+verification (``_state_manifest.verify_state_dir``, torch-free), with DCP's
+``.metadata`` pickle read through an unpickler that resolves only DCP's own
+metadata classes and every stored object read ``weights_only``: DCP's own
+reader unpickles both freely.
+
+Non-tensor state that must come back exact (random states, a loader's cursor,
+a scheduler's ``inf``) goes in a document through :func:`encode_value`, a
+tagged JSON form of tensors, arrays, tuples, non-string keys, large integers
+and non-finite floats; :func:`decode_value` reads it back.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from nanrunbook.capture._state_manifest import (
+    CODES,
+    DCP_METADATA,
+    FORMATS,
+    MANIFEST_NAME,
+    METADATA_GLOBALS,
+    STATE_SUBDIR,
+    FileDigest,
+    StateDirManifest,
+    StateDirRejected,
+    manifest_document,
+    read_document,
+    verify_state_dir,
+)
+from nanrunbook.capture.atomic import atomic_directory, fsync_directory, write_synced
+from nanrunbook.errors import Violation, quote
+
+__all__ = [
+    "CODES",
+    "FORMATS",
+    "FileDigest",
+    "StateDirManifest",
+    "StateDirRejected",
+    "decode_value",
+    "encode_value",
+    "load_state_dir",
+    "read_metadata",
+    "read_state_dir",
+    "read_verified_state_dir",
+    "verify_state_dir",
+    "write_state_dir",
+]
+
+_DOCUMENT_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_CHUNK = 1 << 20
+_SHOWN = 4  # differences named in a key, shape or dtype refusal
+
+
+def _distributed() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # DCP warns on every single-process save and load that it assumes one process.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def write_state_dir(
+    path: Path,
+    *,
+    kind_format: str,
+    state: Mapping[str, Any] | None,
+    documents: Mapping[str, Any],
+    header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+) -> StateDirManifest:
+    """Write ``state`` through DCP and each document as ``<name>.json``, then the
+    manifest, atomically at ``path`` (which must not exist: FileExistsError).
+    A failure or a kill leaves nothing at ``path``. ``header`` may be a callable,
+    called once the files are written, before the manifest: facts computed
+    while DCP writes (a digest of the state in memory, say)."""
+    target = Path(path)
+    for name in documents:
+        if not _DOCUMENT_NAME.fullmatch(name):
+            raise ValueError(f"document name {name!r} is not lower-case letters, digits and _")
+    if target.exists() or target.is_symlink():
+        raise FileExistsError(f"{target} exists: a state directory is never overwritten")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"{target.parent} is not a directory: make the one the state goes in"
+        )
+    with atomic_directory(target) as temp:
+        if state is not None:
+            writer = FileSystemWriter(temp / STATE_SUBDIR, sync_files=True)
+            with _single_process_quiet():
+                dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
+        for name, value in documents.items():
+            write_synced(temp / f"{name}.json", [orjson.dumps(value, option=orjson.OPT_SORT_KEYS)])
+        files = _digests(temp)
+        if state is not None:
+            fsync_directory(temp / STATE_SUBDIR)
+        facts = header() if callable(header) else header
+        manifest = StateDirManifest(kind_format, files, dict(facts))
+        write_synced(temp / MANIFEST_NAME, [manifest_document(manifest)])
+    return manifest
+
+
+def _digests(root: Path) -> dict[str, FileDigest]:
+    """Every file below ``root``, hashed once (the single SHA-256 pass of a save)."""
+    found: dict[str, FileDigest] = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            full = Path(folder) / name
+            hasher = hashlib.sha256()
+            size = 0
+            with open(full, "rb", buffering=0) as handle:
+                buffer = bytearray(_CHUNK)
+                view = memoryview(buffer)
+                while count := handle.readinto(buffer):
+                    hasher.update(view[:count])
+                    size += count
+            found[full.relative_to(root).as_posix()] = FileDigest(hasher.hexdigest(), size)
+    return found
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only :data:`METADATA_GLOBALS`; anything else is refused unrun."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in METADATA_GLOBALS:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        found = super().find_class(module, name)
+        if module == "torch" and name != "Size":
+            constant = (torch.dtype, torch.layout, torch.memory_format)
+            if not isinstance(found, constant):
+                raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        return found
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a state directory through the restricted unpickler;
+    raises StateDirRejected (STATE_METADATA_REFUSED) on anything else."""
+    try:
+        with open(Path(path) / DCP_METADATA, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as error:
+        raise StateDirRejected(
+            [Violation("STATE_METADATA_REFUSED", DCP_METADATA, f"{quote(error)}: not loaded")]
+        ) from None
+    except OSError as error:
+        raise StateDirRejected(
+            [Violation("STATE_FILE_UNREADABLE", DCP_METADATA, str(error.strerror))]
+        ) from None
+    if not isinstance(metadata, Metadata):
+        message = "the pickle is not DCP's Metadata record"
+        raise StateDirRejected([Violation("STATE_METADATA_REFUSED", DCP_METADATA, message)])
+    return metadata
+
+
+class _RestrictedReader(FileSystemReader):
+    """DCP's file reader with the restricted metadata read."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root / STATE_SUBDIR)
+        self._root = root
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self._root)
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading stored non-tensor values ``weights_only``
+    (DCP's own unpickles them freely)."""
+
+    refused: list[str]
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+            if not hasattr(self, "refused"):
+                self.refused = []
+            self.refused.append(f"{quote(read_item.dest_index.fqn)}: {_first_line(error)}")
+            raise
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    found = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    return found[:200] or type(error).__name__
+
+
+def _load(template: dict[str, Any], root: Path, planner: _WeightsOnlyPlanner) -> None:
+    """DCP's load through the restricted reader and planner; whatever DCP cannot
+    read (an object weights_only refuses, a file that does not hold what the
+    metadata says) is refused, named, never a traceback."""
+    try:
+        with _single_process_quiet():
+            dcp_load(
+                template,
+                storage_reader=_RestrictedReader(root),
+                planner=planner,
+                no_dist=not _distributed(),
+            )
+    except StateDirRejected:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure
+        found = getattr(planner, "refused", [])
+        message = "; ".join(found[:_SHOWN]) if found else _first_line(error)
+        raise StateDirRejected(
+            [Violation("STATE_DATA_REFUSED", STATE_SUBDIR, f"not loaded: {message}")]
+        ) from None
+
+
+def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
+    flat, _ = flatten_state_dict(dict(state))
+    return flat
+
+
+def _differences(state: Mapping[str, Any], metadata: Metadata) -> list[Violation]:
+    """Keys, shapes and dtypes of ``state`` against the saved state's."""
+    return _differences_flat(_flat(state), metadata.state_dict_metadata)
+
+
+def _differences_flat(flat: Mapping[str, Any], saved: Mapping[str, Any]) -> list[Violation]:
+    violations: list[Violation] = []
+    missing = sorted(set(flat) - set(saved))
+    extra = sorted(set(saved) - set(flat))
+    for what, keys in (("not saved", missing), ("saved but not in the state", extra)):
+        if keys:
+            shown = ", ".join(quote(k) for k in keys[:_SHOWN])
+            more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+            message = f"{len(keys)} key(s) {what}: {shown}{more}"
+            violations.append(Violation("STATE_KEYS_DIFFER", DCP_METADATA, message))
+    shapes: list[str] = []
+    dtypes: list[str] = []
+    for key in sorted(set(flat) & set(saved)):
+        value, stored = flat[key], saved[key]
+        if isinstance(value, torch.Tensor) != isinstance(stored, TensorStorageMetadata):
+            shapes.append(f"{quote(key)} (a tensor and a non-tensor)")
+        elif isinstance(value, torch.Tensor) and isinstance(stored, TensorStorageMetadata):
+            if tuple(value.shape) != tuple(stored.size):
+                shapes.append(f"{quote(key)} {list(stored.size)} saved, {list(value.shape)} here")
+            if value.dtype != stored.properties.dtype:
+                dtypes.append(f"{quote(key)} {stored.properties.dtype} saved, {value.dtype} here")
+    for code, found in (("STATE_SHAPE_MISMATCH", shapes), ("STATE_DTYPE_MISMATCH", dtypes)):
+        if found:
+            more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+            message = "; ".join(found[:_SHOWN]) + more
+            violations.append(Violation(code, DCP_METADATA, message))
+    return violations
+
+
+def load_state_dir(
+    path: Path, *, kind_format: str, state: Mapping[str, Any] | None
+) -> tuple[StateDirManifest, dict[str, Any]]:
+    """Verify the directory, then load its DCP state in place into ``state`` (its
+    tensors are copied into; its non-tensor values replaced) and return the
+    manifest and the JSON documents by name. Raises StateDirRejected with every
+    violation: of the verification, then of keys, shapes and dtypes."""
+    root = Path(path)
+    manifest, violations = verify_state_dir(
+        root, kind_format=kind_format, require_state=state is not None
+    )
+    if violations or manifest is None:
+        raise StateDirRejected(violations)
+    if state is not None:
+        metadata = read_metadata(root)
+        differences = _differences(state, metadata)
+        if differences:
+            raise StateDirRejected(differences)
+        target = dict(state)
+        _load(target, root, _WeightsOnlyPlanner())
+        if isinstance(state, dict):
+            state.update(target)  # non-tensor values DCP replaced at the top level
+    return manifest, _documents(root, manifest)
+
+
+def read_state_dir(
+    path: Path, *, kind_format: str, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """Verify the directory, then read all of its DCP state as saved: the
+    manifest, the state (nested as saved; dict keys come back as strings, as
+    DCP stores them) and the documents. ``into``: top-level parts to load in
+    place (a model's ``state_dict()``: its tensors are copied into, no second
+    copy); their keys, shapes and dtypes must match the saved part's, every
+    difference refused before anything is read (StateDirRejected)."""
+    root = Path(path)
+    manifest, violations = verify_state_dir(root, kind_format=kind_format)
+    if violations or manifest is None:
+        raise StateDirRejected(violations)
+    return read_verified_state_dir(root, manifest, into=into)
+
+
+def read_verified_state_dir(
+    path: Path, manifest: StateDirManifest, *, into: Mapping[str, Any] | None = None
+) -> tuple[StateDirManifest, dict[str, Any], dict[str, Any]]:
+    """:func:`read_state_dir` for a caller that has just verified ``path`` itself
+    (``verify_state_dir``, or a kind's verifier built on it, which returned
+    ``manifest`` without a violation): the files are not hashed a second time.
+    The metadata is still read restricted and every object weights-only."""
+    root = Path(path)
+    metadata = read_metadata(root)
+    given = _flat(into) if into else {}
+    parts = set(into or ())
+    saved = metadata.state_dict_metadata
+    inside = {k: v for k, v in saved.items() if _top(metadata, k) in parts}
+    differences = _differences_flat(given, inside)
+    if differences:
+        raise StateDirRejected(differences)
+    template: dict[str, Any] = {}
+    for key, stored in saved.items():
+        if key in given:
+            template[key] = given[key]
+        elif isinstance(stored, TensorStorageMetadata):
+            template[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+        else:
+            template[key] = None
+    planner = _WeightsOnlyPlanner(flatten_state_dict=False)
+    _load(template, root, planner)
+    loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
+    nested: dict[str, Any] = {}
+    for key, value in loaded.items():
+        set_element(nested, _path(metadata, key), value)
+    return manifest, nested, _documents(root, manifest)
+
+
+def _top(metadata: Metadata, key: str) -> str:
+    return str(_path(metadata, key)[0])
+
+
+def _path(metadata: Metadata, key: str) -> tuple[Any, ...]:
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    found = mappings.get(key)
+    return tuple(found) if isinstance(found, tuple | list) and found else (key,)
+
+
+def _documents(root: Path, manifest: StateDirManifest) -> dict[str, Any]:
+    return {
+        name.removesuffix(".json"): read_document(root, name.removesuffix(".json"))
+        for name in manifest.files
+        if "/" not in name and name.endswith(".json")
+    }
+
+
+# The tagged JSON form of non-tensor state: exact, and read back with no pickle.
+_TAG = "$"
+
+
+def encode_value(value: Any, where: str = "$") -> Any:
+    """``value`` as JSON that :func:`decode_value` reads back exactly: tensors and
+    numpy arrays as dtype, shape and base64 bytes; tuples, dicts with keys that
+    are not plain strings, integers past 2^53 and non-finite floats tagged.
+    Raises TypeError naming the path of a value it cannot represent."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) <= 2**53 - 1 else {_TAG: "int", "v": str(value)}
+    if isinstance(value, float):
+        if math.isfinite(value) and not (value == 0.0 and math.copysign(1.0, value) < 0):
+            return value
+        return {_TAG: "float", "v": repr(value)}
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(value)
+    if isinstance(value, np.ndarray):
+        return {
+            _TAG: "ndarray",
+            "dtype": value.dtype.str,
+            "shape": list(value.shape),
+            "b64": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode(),
+        }
+    if isinstance(value, np.generic):
+        return encode_value(value.item(), where)
+    if isinstance(value, list):
+        return [encode_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "v": [encode_value(x, f"{where}[{i}]") for i, x in enumerate(value)]}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) and not k.startswith(_TAG) for k in value):
+            return {k: encode_value(v, f"{where}.{k}") for k, v in value.items()}
+        return {
+            _TAG: "dict",
+            "v": [
+                [encode_value(k, where), encode_value(v, f"{where}.{k}")] for k, v in value.items()
+            ],
+        }
+    raise TypeError(f"{where}: a {type(value).__name__} cannot be recorded exactly as JSON")
+
+
+def _encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return {
+        _TAG: "tensor",
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "b64": base64.b64encode(data).decode(),
+    }
+
+
+def decode_value(value: Any) -> Any:
+    """What :func:`encode_value` encoded."""
+    if isinstance(value, list):
+        return [decode_value(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    tag = value.get(_TAG)
+    if tag is None:
+        return {k: decode_value(v) for k, v in value.items()}
+    if tag == "int":
+        return int(value["v"])
+    if tag == "float":
+        return float(value["v"])
+    if tag == "tuple":
+        return tuple(decode_value(item) for item in value["v"])
+    if tag == "dict":
+        return {decode_value(k): decode_value(v) for k, v in value["v"]}
+    if tag == "ndarray":
+        raw = base64.b64decode(value["b64"], validate=True)
+        array = np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+        return array.copy()
+    if tag == "tensor":
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown tensor dtype {quote(value['dtype'])}")
+        data = bytearray(base64.b64decode(value["b64"], validate=True))
+        shape = [int(n) for n in value["shape"]]
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    raise ValueError(f"unknown tag {quote(tag)}")

@@ -1,0 +1,61 @@
+"""The incident capsule: everything needed to run a held step again, bit for bit,
+after its process is gone (issue 27).
+
+At a hold the sentinel writes it as the ``capsule/`` directory of the step's
+bundle (:func:`write_held_capsule`): the pre-step state through
+torch.distributed.checkpoint, the step's micro-batches and random states, its
+recipe and the incident's facts, and a SHA-256 manifest written last, the
+whole appearing atomically. :class:`Capsule` opens, verifies and loads one
+into the objects the user's entry builds; :class:`LoadedStep` replays it,
+as recorded or with one mechanism changed (``nanrunbook replay``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from nanrunbook.capture.incident import CAPSULE_DIRECTORY
+from nanrunbook.capture.torch.capsule._capsule import Capsule, LoadedStep
+from nanrunbook.capture.torch.capsule._contents import CapsuleRefused
+from nanrunbook.capture.torch.capsule._live import annotate_replay
+from nanrunbook.capture.torch.capsule._session import (
+    CapsuleReplay,
+    ChangedReplay,
+    replay_capsule,
+    replay_document,
+)
+from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
+
+__all__ = [
+    "CAPSULE_FORMAT",
+    "Capsule",
+    "CapsuleRefused",
+    "CapsuleReplay",
+    "ChangedReplay",
+    "HeldStep",
+    "LoadedStep",
+    "annotate_replay",
+    "replay_capsule",
+    "replay_document",
+    "write_capsule",
+    "write_held_capsule",
+]
+
+log = logging.getLogger("nanrunbook.sentinel")
+
+
+def write_held_capsule(bundle: Path, held: HeldStep) -> tuple[Path | None, str | None]:
+    """Write ``held``'s capsule into its bundle's ``capsule/`` directory. Never
+    raises: the hold stands without a capsule, and the reason is returned."""
+    target = Path(bundle) / CAPSULE_DIRECTORY
+    try:
+        write_capsule(target, held)
+    except CapsuleRefused as error:
+        log.error("step %d: no capsule: %s", held.step, error)
+        return None, f"not recordable exactly: {error}"
+    except Exception as error:  # a full disk, a state DCP cannot save: the hold stands
+        log.exception("step %d: the capsule could not be written", held.step)
+        return None, f"{type(error).__name__}: {error}"
+    log.error("step %d: capsule %s (replay it with: nanrunbook replay)", held.step, target)
+    return target, None

@@ -1,0 +1,318 @@
+"""Prove recovery: resume from a verified point, run the steps up to the
+incident as they were, the incident step with one change and N more steps
+under the sentinel, and write the recovery record.
+
+The steps before the incident run unchanged (a bit-identical resume repeats
+the run's own: they must go on as they did); the change starts at the incident
+step and stays. The incident step's bundle is captured whatever its verdict
+(the sentinel's ``capture_steps``), so ``diff`` against the incident bundle can
+attribute the outcome to the one change: ONE_MECHANISM_CHANGED and FIXED is
+recovery; without a change the step holds again and the diff says REPRODUCED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from nanrunbook.capture._changes import Change, LearningRate, LossScale, WithoutAutocast
+from nanrunbook.capture.atomic import atomic_write
+from nanrunbook.capture.incident import SentinelHold
+from nanrunbook.capture.recovery import (
+    RecoveryRecord,
+    StepTrend,
+    record_document,
+    verify_recovery_point,
+)
+from nanrunbook.capture.torch.recovery._entry import EntryError, TrainingRun
+from nanrunbook.capture.torch.recovery._point import load_recovery_point
+from nanrunbook.check import check_bundle
+from nanrunbook.contract import CONTINUE
+from nanrunbook.diff import FIXED, ONE_MECHANISM_CHANGED, diff_bundles
+from nanrunbook.manifest.parse import RECOVERY_PARTS
+
+__all__ = ["RECORD_NAME", "prove_recovery"]
+
+RECORD_NAME = "recovery.json"
+
+
+def _describe(change: Change | None) -> str | None:
+    if change is None:
+        return None
+    if isinstance(change, LearningRate):
+        if change.factor is None:  # the per-group form is a capsule replay's (replay --change lr=)
+            raise EntryError("a resumed run takes LearningRate(factor), not per-group rates")
+        return f"lr-factor={change.factor:g}"
+    if isinstance(change, LossScale):
+        return f"loss-scale={change.scale:g}"
+    if isinstance(change, WithoutAutocast):
+        return "autocast=off"
+    raise EntryError(f"{type(change).__name__} cannot be applied to a resumed run")
+
+
+class _Applied:
+    """The change, off until the incident step, then on for the rest of the run."""
+
+    def __init__(self, change: Change | None, run: TrainingRun) -> None:
+        self.change, self.run, self.on = change, run, False
+        if isinstance(change, LossScale) and (run.scaler is None or not run.scaler.is_enabled()):
+            raise EntryError("loss-scale= needs the run's enabled GradScaler")
+
+    def start(self) -> None:
+        self.on = True
+        change, run = self.change, self.run
+        if isinstance(change, LearningRate):
+            for group in run.optimizer.param_groups:
+                group["lr"] = group["lr"] * change.factor
+        elif isinstance(change, LossScale):
+            run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": float(change.scale)})
+
+    def compute_loss(self, model: Any, batch: Any) -> Any:
+        if self.on and isinstance(self.change, WithoutAutocast):
+            from nanrunbook.capture.mechanisms import autocast_off
+
+            with autocast_off():
+                return self.run.compute_loss(model, batch)
+        return self.run.compute_loss(model, batch)
+
+
+def _loop_facts(incident: Path) -> tuple[str, str, dict[str, Any]]:
+    """The incident's run id, owner and the statements its loop made (checkpoint,
+    data, objective): the resumed run states the same."""
+    manifest = json.loads((incident / "manifest.json").read_text())
+    binding = manifest["binding"]
+    checkpoint = {k: v for k, v in binding["checkpoint"].items() if k != "last_known_good_recovery"}
+    checkpoint["verified_together"] = list(RECOVERY_PARTS)
+    facts = {"checkpoint": checkpoint, "data": binding["data"], "objective": binding["objective"]}
+    return manifest["run"]["run_id"], manifest["incident_owner"], facts
+
+
+def _step(run: TrainingRun, sentinel: Any, batch: Any) -> None:
+    run.optimizer.zero_grad()
+    loss = sentinel.forward(batch)
+    if run.scaler is not None and run.scaler.is_enabled():
+        run.scaler.scale(loss).backward()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        loss.backward()
+        run.optimizer.step()
+    if run.scheduler is not None:
+        run.scheduler.step()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _telemetry(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _trend(lines: list[dict[str, Any]], keep: Callable[[int], bool]) -> StepTrend:
+    chosen = [line for line in lines if keep(int(line["step"]))]
+    losses = [line["loss"] for line in chosen if isinstance(line.get("loss"), float | int)]
+    norms = [
+        line["grad"]["norm"]
+        for line in chosen
+        if isinstance(line.get("grad"), dict) and isinstance(line["grad"].get("norm"), float | int)
+    ]
+    return StepTrend(len(chosen), _median(losses), _median(norms))
+
+
+def prove_recovery(
+    point: str | Path,
+    incident: str | Path,
+    *,
+    build: Callable[[], TrainingRun],
+    through: int,
+    then: int,
+    change: Change | None = None,
+    out: str | Path,
+    max_warnings: int = 0,
+) -> RecoveryRecord:
+    """Resume the run ``build`` makes from ``point`` (verified first), run it
+    under the sentinel up to the incident step ``through`` unchanged, that step
+    with ``change`` and ``then`` more steps, and write the recovery record
+    (``out/recovery.json``, atomically; the run's telemetry, its captured
+    bundles and incident directory below ``out``, which must not exist).
+
+    Proven when: the state after the resume is the point's bit for bit, no step
+    held, the incident step's new bundle checks CONTINUE and its diff against
+    ``incident`` is ONE_MECHANISM_CHANGED with FIXED, all ``then`` steps ran,
+    and at most ``max_warnings`` warnings came after the incident step (the
+    incident step's own, its spike, are recorded, not counted).
+    Raises StateDirRejected (a point that does not verify), EvidenceRejected
+    (the incident bundle, or the new one), EntryError (an unusable run or
+    change)."""
+    from nanrunbook.capture.torch import Sentinel
+
+    root, bundle, target = Path(point), Path(incident), Path(out)
+    verification = verify_recovery_point(root)
+    if not verification.verified:
+        raise verification.rejected()
+    report = check_bundle(bundle)
+    incident_step = report.manifest.step
+    if incident_step != through:
+        raise EntryError(f"the incident bundle is step {incident_step}, not --through {through}")
+    if verification.step is None or not verification.step < through:
+        raise EntryError(f"the point is step {verification.step}: not before the incident")
+    if then < 0:
+        raise EntryError(f"--then {then}: a number of steps >= 0")
+    description = _describe(change)
+    run = build()
+    target.mkdir()
+    restorable = callable(getattr(run.loader, "load_state_dict", None))
+    loaded = load_recovery_point(
+        root,
+        model=run.model,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        scaler=run.scaler,
+        data=run.loader if restorable else None,
+        generators=run.generators,
+    )
+    run_id, owner, facts = _loop_facts(bundle)
+    applied = _Applied(change, run)
+    telemetry = target / "telemetry.jsonl"
+    sentinel = Sentinel(
+        run.model,
+        run.optimizer,
+        applied.compute_loss,
+        run_id=run_id,
+        incident_owner=owner,
+        scheduler=run.scheduler,
+        scaler=run.scaler,
+        generators=run.generators,
+        incident_dir=target / "incident",
+        telemetry=telemetry,
+        capture_steps=(through,),
+        **facts,
+        **dict(run.sentinel),
+    )
+    sentinel.resumed_from(loaded.point)
+    steps_run: list[int] = []
+    hold: SentinelHold | None = None
+    batches: Iterator[Any] = iter(run.loader)
+    loaded.restore_random()  # the iterator may have drawn its seed from torch's generator
+    reasons: list[str] = []
+    try:
+        for number in range(loaded.point.step + 1, through + then + 1):
+            if number == through:
+                applied.start()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                reasons.append(f"the loader ran out before step {number}")
+                break
+            steps_run.append(number)
+            _step(run, sentinel, batch)
+        sentinel.close()
+    except SentinelHold as held:
+        hold = held
+        with contextlib.suppress(SentinelHold):
+            sentinel.close()
+    new_bundle = hold.bundle if hold is not None and hold.step == through else None
+    if new_bundle is None:
+        new_bundle = sentinel.captured.get(through)
+    return _record(
+        verification.path,
+        loaded,
+        bundle,
+        target,
+        run_id=run_id,
+        owner=owner,
+        through=through,
+        then=then,
+        description=description,
+        steps_run=tuple(steps_run),
+        hold=hold,
+        new_bundle=new_bundle,
+        reasons=reasons,
+        max_warnings=max_warnings,
+        telemetry=_telemetry(telemetry),
+    )
+
+
+def _record(
+    point_path: str,
+    loaded: Any,
+    incident: Path,
+    target: Path,
+    *,
+    run_id: str,
+    owner: str,
+    through: int,
+    then: int,
+    description: str | None,
+    steps_run: tuple[int, ...],
+    hold: SentinelHold | None,
+    new_bundle: Path | None,
+    reasons: list[str],
+    max_warnings: int,
+    telemetry: list[dict[str, Any]],
+) -> RecoveryRecord:
+    if not loaded.digests_match:
+        reasons.append("the state after the resume is not the point's")
+    if hold is not None:
+        where = "again at the incident step" if hold.step == through else f"at step {hold.step}"
+        reasons.append(f"the run held {where}")
+    new_decision = verdict = outcome = None
+    changed: tuple[str, ...] = ()
+    if new_bundle is None:
+        reasons.append("no bundle of the incident step")
+    else:
+        new_decision = check_bundle(new_bundle).decision.decision
+        comparison = diff_bundles(incident, new_bundle)
+        verdict, outcome = comparison.verdict, comparison.outcome
+        changed = tuple(change.item for change in comparison.changes)
+        if new_decision != CONTINUE:
+            reasons.append(f"the incident step's new bundle is {new_decision}")
+        if verdict != ONE_MECHANISM_CHANGED or outcome != FIXED:
+            shown = verdict if outcome is None else f"{verdict}, {outcome}"
+            reasons.append(f"the diff against the incident is {shown}")
+    ran_after = [n for n in steps_run if n > through]
+    if hold is None and len(ran_after) < then:
+        reasons.append(f"{len(ran_after)} of {then} steps after the incident ran")
+    warnings = tuple(
+        (int(line["step"]), str(warning["code"]))
+        for line in telemetry
+        if int(line["step"]) >= through
+        for warning in line.get("warnings", [])
+    )
+    after = [warning for warning in warnings if warning[0] > through]
+    if len(after) > max_warnings:
+        reasons.append(f"{len(after)} warnings after the incident step (at most {max_warnings})")
+    point = loaded.point
+    record = RecoveryRecord(
+        point=point_path,
+        point_id=point.point_id,
+        point_step=point.step,
+        run_id=run_id,
+        incident=str(incident),
+        incident_step=through,
+        incident_owner=owner,
+        change=description,
+        steps_run=steps_run,
+        held_at=hold.step if hold is not None else None,
+        warnings=warnings,
+        before=_trend(telemetry, lambda n: n < through),
+        after=_trend(telemetry, lambda n: n >= through),
+        digests_match=loaded.digests_match,
+        new_bundle=str(new_bundle) if new_bundle is not None else None,
+        new_decision=new_decision,
+        diff_verdict=verdict,
+        diff_outcome=outcome,
+        changed_items=changed,
+        reasons=tuple(reasons),
+        max_warnings=max_warnings,
+    )
+    document = json.dumps(record_document(record), indent=2, sort_keys=False) + "\n"
+    atomic_write(target / RECORD_NAME, document.encode())
+    return record

@@ -1,0 +1,178 @@
+"""``nanrunbook replay``: run a held step again from its capsule, after the training
+process is gone, as recorded and with one mechanism changed per ``--change``."""
+
+from __future__ import annotations
+
+import functools
+import io
+import sys
+from pathlib import Path
+from typing import IO, Annotated, Any
+
+import typer
+
+from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+
+__all__ = ["replay"]
+
+
+@command("Replay a held step from its capsule, as recorded and with one mechanism changed.")
+@guarded
+def replay(
+    capsule: Annotated[
+        Path,
+        typer.Argument(
+            metavar="CAPSULE",
+            parser=non_empty_path,
+            help="The capsule directory (a held bundle's capsule/).",
+            show_default=False,
+        ),
+    ],
+    entry: Annotated[
+        str,
+        typer.Option(
+            "--entry",
+            metavar="MODULE:FUNCTION",
+            help="Builds model, optimizer, compute_loss (scheduler, scaler...) as the"
+            " training script does; MODULE is found from the current directory first.",
+            show_default=False,
+        ),
+    ],
+    change: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--change",
+            metavar="MECHANISM=VALUE",
+            help="Replay once more with exactly this changed (repeatable): precision,"
+            " loss_scale, lr, eps, clip, reduction, batch, deterministic.",
+            show_default=False,
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            parser=non_empty_path,
+            help="A new directory for the replays' bundles [default: ./replay-RUN-STEP].",
+            show_default=False,
+        ),
+    ] = None,
+    require_fixed: Annotated[
+        bool,
+        typer.Option(
+            "--require-fixed",
+            help="Recovery gate: exit 0 only when every change is the one mechanism"
+            " changed and FIXED the step.",
+        ),
+    ] = False,
+    format: Annotated[
+        CheckFormat, typer.Option("--format", "-f", help="Output format.")
+    ] = CheckFormat.text,
+) -> None:
+    """Replay a held step from its capsule, as recorded and with one mechanism changed.
+
+    Verifies the capsule (nothing in it is run), builds the objects with the
+    entry, loads the capsule into them, replays the step and writes its bundle;
+    reports whether it REPRODUCED the incident bundle beside the capsule (diff),
+    then the diff verdict of each --change against the replay as recorded.
+    Exit as diff (0 attributable, 1 not; with --require-fixed 0 only when every
+    change FIXED it), 3 when the capsule, or a bundle, is rejected or the built
+    objects do not fit it, 2 for a bad entry or change.
+
+    Example: nanrunbook replay incident/run-7/1842/capsule --entry train:build --change precision=fp32
+    """
+    from nanrunbook.capture.torch._entry import EntryError, build, load_entry, parse_changes
+    from nanrunbook.capture.torch._state_dir import StateDirRejected
+    from nanrunbook.capture.torch.capsule import Capsule, replay_capsule
+    from nanrunbook.cli._judging import emit, emit_rejection
+    from nanrunbook.diff import ComparisonRejected
+    from nanrunbook.output.renderers import RENDERERS
+
+    texts = list(change or ())
+    try:
+        changes = list(zip(texts, parse_changes(texts), strict=True))
+        opened = Capsule.open(capsule)
+    except EntryError as error:
+        _usage(str(error))
+    except StateDirRejected as error:
+        raise typer.Exit(emit_rejection(error, capsule, format.value, sys.stdout)) from None
+    target = (
+        out if out is not None else Path(f"replay-{opened.run_id}-{opened.step}".replace("/", "-"))
+    )
+    try:
+        built = build(load_entry(entry))
+        result = replay_capsule(opened, built, changes, target)
+    except EntryError as error:
+        _usage(str(error))
+    except ValueError as error:  # a change that cannot apply: the value is wrong
+        _usage(str(error))
+    except StateDirRejected as error:
+        raise typer.Exit(emit_rejection(error, capsule, format.value, sys.stdout)) from None
+    except ComparisonRejected as error:
+        emit(functools.partial(RENDERERS[format.value].diff, error, sys.stdout), sys.stdout)
+        raise typer.Exit(error.exit_code) from None
+    code = result.exit_code(require_fixed=require_fixed)
+    emit(functools.partial(_write, result, format.value, require_fixed, sys.stdout), sys.stdout)
+    raise typer.Exit(code)
+
+
+def _usage(message: str) -> Any:
+    sys.stderr.write(f"nanrunbook: replay: {message}\n")
+    raise typer.Exit(2)
+
+
+def _diff(renderer: Any, comparison: Any) -> str:
+    buffer = io.StringIO()
+    renderer.diff(comparison, buffer)
+    return buffer.getvalue()
+
+
+def _write(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
+    from nanrunbook.capture.torch.capsule import replay_document
+    from nanrunbook.output.renderers import RENDERERS
+
+    renderer = RENDERERS[fmt]
+    held = result.capsule.reproduced
+    if fmt == "json":
+        import orjson
+
+        document = replay_document(result, require_fixed=require_fixed)
+        out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    if fmt == "kv":
+        lines = [
+            f"capsule_run={result.capsule.run_id}",
+            f"capsule_step={result.capsule.step}",
+            f"held_process={held.verdict if held is not None else 'none'}",
+            f"reproduction={result.reproduction.verdict if result.reproduction else 'none'}",
+            f"changes={len(result.changes)}",
+        ]
+        if result.reproduction is not None:
+            lines += [
+                f"reproduction.{line}" for line in _diff(renderer, result.reproduction).splitlines()
+            ]
+        for index, changed in enumerate(result.changes, 1):
+            lines += [
+                f"change.{index}.{line}"
+                for line in _diff(renderer, changed.comparison).splitlines()
+            ]
+        out.write("\n".join(lines) + "\n")
+        return
+    lines = [
+        f"capsule {result.capsule.path}: verified; run {result.capsule.run_id}, step {result.capsule.step}"
+    ]
+    if held is not None:
+        lines.append(f"held process: {held.line()}")
+    lines.append(f"replay as recorded: {result.bundle}")
+    if result.reproduction is None:
+        lines.append("no incident bundle beside the capsule: the reproduction is not compared")
+    else:
+        lines.append(f"against the incident bundle {result.incident}:")
+        lines.append(_diff(renderer, result.reproduction).rstrip("\n"))
+    for changed in result.changes:
+        lines.append("")
+        lines.append(f"--change {changed.change}: {changed.bundle}")
+        lines.append("against the replay as recorded:")
+        lines.append(_diff(renderer, changed.comparison).rstrip("\n"))
+    out.write("\n".join(lines) + "\n")

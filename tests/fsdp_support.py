@@ -1,0 +1,231 @@
+"""Real FSDP2 training loops for the sentinel's tests (gloo, CPU): a small MLP,
+``fully_shard`` on each linear layer and the root, over ``init_device_mesh("cpu",
+(N,))``. A worker writes what its rank ended with to ``<tmp>/result-<rank>.json``."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from sentinel_support import HostSyncs, facts, regression_batch
+from torch import nn
+
+from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
+
+
+@dataclass(frozen=True)
+class ShardedCase:
+    """``scenario``: ``nan-rank1`` (a NaN in rank 1's batch at ``fault_step``),
+    ``nan-update`` (a NaN written into rank 1's shard inside ``optimizer.step()``
+    at ``fault_step``), ``blowup`` (the learning rate x3000 from step 5),
+    ``healthy``; ``snapshot``: the sentinel's pre-step snapshot.
+    ``micro``: micro-batches a step (all but the last without gradient sync);
+    ``bf16``: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32);
+    ``clip``: the loop clips through the sentinel at this max norm."""
+
+    run_id: str
+    scenario: str = "healthy"
+    steps: int = 6
+    fault_step: int = 3
+    micro: int = 1
+    bf16: bool = False
+    clip: float | None = None
+    snapshot: bool = False
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _digest(t: Any) -> str:
+    local = _local(t).detach().contiguous()
+    data = local.view(torch.uint8).numpy().tobytes() if local.numel() else b""
+    return f"{local.dtype}{list(local.shape)}:" + hashlib.sha256(data).hexdigest()
+
+
+def local_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Every bit of this rank's shards: parameters and buffers (with the identity
+    of each parameter object) and optimizer state and hyperparameters."""
+    state: dict[str, Any] = {n: _digest(p) for n, p in model.named_parameters()}
+    state.update({f"id/{n}": id(p) for n, p in model.named_parameters()})
+    state.update({f"buffer/{n}": _digest(b) for n, b in model.named_buffers()})
+    for index, saved in enumerate(optimizer.state.values()):
+        for key, value in saved.items():
+            state[f"opt/{index}/{key}"] = (
+                _digest(value) if isinstance(value, torch.Tensor) else repr(value)
+            )
+    state["groups"] = repr(
+        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    )
+    return state
+
+
+def _model(world: int, case: ShardedCase) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.bf16
+        else MixedPrecisionPolicy()
+    )
+    torch.manual_seed(0)  # the same initial model on every rank
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1))
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
+    return net
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch["x"]).squeeze(1).float() - batch["y"]) ** 2).mean()
+
+
+def _batch(rank: int, step: int, micro: int, case: ShardedCase) -> dict[str, torch.Tensor]:
+    batch = regression_batch(1000 * rank + 10 * step + micro)
+    if case.scenario == "nan-rank1" and rank == 1 and step == case.fault_step and micro == 0:
+        batch["x"][2, 5] = float("nan")
+    return batch
+
+
+def _run(
+    rank: int, world: int, tmp: Path, case: ShardedCase, watched: bool
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The loop, with or without the sentinel; returns the result and the local
+    state before each step."""
+    model = _model(world, case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    jump = 3000.0 if case.scenario == "blowup" else 1.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 4 else jump)
+    if case.scenario == "nan-update" and rank == 1:
+        updates = [0]  # the real optimizer's steps (a replay's copy has no hook)
+
+        def corrupt(opt: Any, args: Any, kwargs: Any) -> None:
+            updates[0] += 1
+            if updates[0] == case.fault_step:
+                with torch.no_grad():
+                    _local(opt.param_groups[0]["params"][0])[0, 0] = float("nan")
+
+        optimizer.register_step_post_hook(corrupt)
+    sentinel = (
+        Sentinel(
+            model,
+            optimizer,
+            _loss,
+            scheduler=scheduler,
+            snapshot=case.snapshot,
+            thresholds=Thresholds(sample_every=0),
+            **facts(case.run_id, tmp),
+        )
+        if watched
+        else None
+    )
+    forward = sentinel.forward if sentinel is not None else (lambda b, m=model: _loss(m, b))
+    before: dict[int, dict[str, Any]] = {}
+    hold: SentinelHold | None = None
+    norm_type = ""
+    steps = 0
+    syncs = HostSyncs((optimizer,))
+    for i in range(1, case.steps + 1):
+        before[i] = local_state(model, optimizer)
+        steps = i
+        # From the second step on (the first warms up): host reads, as the tests count them.
+        counting: AbstractContextManager[Any] = (
+            syncs if i > 1 and case.scenario == "healthy" else nullcontext()
+        )
+        try:
+            with counting:
+                optimizer.zero_grad()
+                for m in range(case.micro):
+                    model.set_requires_gradient_sync(m == case.micro - 1)  # type: ignore[operator]
+                    loss = forward(_batch(rank, i, m, case)) / case.micro
+                    loss.backward()
+                if case.clip is not None:
+                    clip = (
+                        sentinel.clip_grad_norm_
+                        if sentinel is not None
+                        else torch.nn.utils.clip_grad_norm_
+                    )
+                    norm_type = type(clip(model.parameters(), case.clip)).__name__
+                optimizer.step()
+                scheduler.step()
+        except SentinelHold as held:
+            hold = held
+            break
+    if sentinel is not None:
+        sentinel.close()
+    after = local_state(model, optimizer)
+    result = {
+        "host_syncs": dict(syncs.kinds),
+        "steps": steps,
+        "held": hold.step if hold else None,
+        "bundle": str(hold.bundle) if hold and hold.bundle else None,
+        "reason": hold.reason if hold else None,
+        "capture_error": hold.capture_error if hold else None,
+        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+        # The state before the held step (an update is found at the next step).
+        "untouched": bool(hold) and after == before[hold.step if hold else steps],
+        "changed": sorted(
+            k for k in after if after[k] != before[hold.step if hold else steps].get(k)
+        ),
+        "finite": all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters()),
+        "state": {k: v for k, v in after.items() if not k.startswith("id/")},
+        "norm_type": norm_type,
+    }
+    # Drop every reference to the sharded model before the group goes (gloo's
+    # pending work would abort the process at exit).
+    del sentinel, model, optimizer, scheduler, forward, hold
+    gc.collect()
+    return result, before
+
+
+def _scaler_refusal(world: int, tmp: Path, case: ShardedCase) -> str | None:
+    """The sentinel's error for a GradScaler under FSDP2 (None: accepted)."""
+    model = _model(world, case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        sentinel = Sentinel(
+            model,
+            optimizer,
+            _loss,
+            scaler=torch.amp.GradScaler("cpu"),
+            **facts(f"{case.run_id}-scaler", tmp),
+        )
+    except ValueError as error:
+        return str(error)
+    sentinel.close()
+    return None
+
+
+def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
+    """One rank of ``case``: with the sentinel, and for ``healthy`` the same loop
+    without it first (its final local state is ``plain_state``)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(Path(tmp) / "store"), world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        plain = None
+        refused = None
+        if case.scenario == "healthy":
+            plain, _ = _run(rank, world, Path(tmp), case, watched=False)
+            refused = _scaler_refusal(world, Path(tmp), case)
+        result, _ = _run(rank, world, Path(tmp), case, watched=True)
+        result["plain_state"] = plain["state"] if plain is not None else None
+        result["plain_syncs"] = plain["host_syncs"] if plain is not None else None
+        result["scaler_refused"] = refused
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))

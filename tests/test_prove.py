@@ -1,0 +1,135 @@
+"""Prove recovery (issue 28): a real run that blows up at step 8 with recovery
+points every 3 steps written by the tool; resumed from the last verified one
+with the learning rate halved it passes step 8 and 4 more steps (proven);
+resumed without a change it holds again at step 8, REPRODUCED (not proven)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import recovery_run
+from recovery_run import SPIKE, run_original
+
+from nanrunbook import check_bundle
+from nanrunbook.capture.mechanisms import LearningRate
+from nanrunbook.capture.torch import latest_recovery_point, prove_recovery
+from nanrunbook.capture.torch.recovery import EntryError, TrainingRun
+from nanrunbook.capture.torch.recovery._entry import parse_change
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("run")
+    hold, points = run_original(tmp)
+    assert hold is not None and hold.step == SPIKE and hold.stage == "optimizer"
+    latest = latest_recovery_point(points)
+    assert latest is not None and latest.step == 6  # points at 3 and 6; 9 never came
+    return {"bundle": hold.bundle, "point": Path(latest.path), "tmp": tmp}
+
+
+def _build() -> TrainingRun:
+    return TrainingRun.of(recovery_run.build())
+
+
+def test_halving_the_learning_rate_is_proven(incident: dict[str, Any], tmp_path: Path) -> None:
+    record = prove_recovery(
+        incident["point"],
+        incident["bundle"],
+        build=_build,
+        through=SPIKE,
+        then=4,
+        change=LearningRate(0.5),
+        out=tmp_path / "proof",
+    )
+    assert record.proven, record.reasons
+    assert record.digests_match and record.held_at is None
+    assert record.steps_run == (7, 8, 9, 10, 11, 12)
+    assert (record.diff_verdict, record.diff_outcome, record.changed_items) == (
+        "ONE_MECHANISM_CHANGED",
+        "FIXED",
+        ("optimizer",),
+    )
+    assert check_bundle(record.new_bundle).decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
+    assert all(step == SPIKE for step, _ in record.warnings)  # the spike's own, not after
+    document = json.loads((tmp_path / "proof" / "recovery.json").read_text())
+    assert document["proven"] is True and document["change"] == "lr-factor=0.5"
+    assert document["incident"]["owner"] == document["reopen"]["decided_by"] == "ml-oncall"
+
+
+def test_no_change_holds_again_and_is_not_proven(incident: dict[str, Any], tmp_path: Path) -> None:
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=_build, through=SPIKE, then=4,
+        out=tmp_path / "proof",
+    )  # fmt: skip
+    assert not record.proven
+    assert record.held_at == SPIKE and record.diff_verdict == "REPRODUCED"
+    assert "the run held again at the incident step" in record.reasons
+
+
+def test_the_cli_proves_and_says_so(incident: dict[str, Any], tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    base = [
+        sys.executable, "-m", "nanrunbook", "prove", str(incident["point"]),
+        "--entry", "recovery_run:build", "--through", str(SPIKE), "--then", "2",
+        "--incident", str(incident["bundle"]),
+    ]  # fmt: skip
+
+    def run(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *more], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        )
+
+    done = run("--out", "proof", "--change", "lr-factor=0.5", "-f", "kv")
+    assert done.returncode == 0, done.stderr
+    assert "recovery=PROVEN" in done.stdout.splitlines()
+    assert "diff_outcome=FIXED" in done.stdout.splitlines()
+    usage = run("--out", "other", "--change", "lr=half")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert "lr-factor=" in usage.stderr
+
+
+def test_a_point_that_does_not_verify_is_rejected(incident: dict[str, Any], tmp_path: Path) -> None:
+    broken = tmp_path / "point"
+    subprocess.run(["cp", "-a", str(incident["point"]), str(broken)], check=True)
+    (broken / "rng.json").write_text("{}")
+    from nanrunbook.errors import EvidenceRejected
+
+    with pytest.raises(EvidenceRejected) as info:
+        prove_recovery(
+            broken, incident["bundle"], build=_build, through=SPIKE, then=1,
+            out=tmp_path / "proof",
+        )  # fmt: skip
+    assert "STATE_FILE_SIZE_MISMATCH" in info.value.codes
+    assert not (tmp_path / "proof").exists()
+
+
+@pytest.mark.parametrize("text", ["lr-factor=1", "lr-factor=x", "momentum=0.9", "autocast=on"])
+def test_a_change_that_is_not_one(text: str) -> None:
+    with pytest.raises(EntryError):
+        parse_change(text)
+
+
+def test_stated_or_verified_is_provenance_not_a_mechanism(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    from nanrunbook.capture.seal import seal_bundle
+    from nanrunbook.diff import diff_bundles
+
+    stated = tmp_path / "stated"
+    subprocess.run(["cp", "-a", str(incident["bundle"]), str(stated)], check=True)
+    manifest = json.loads((stated / "manifest.json").read_text())
+    assert manifest["binding"]["checkpoint"]["last_known_good_recovery"] == "verified"
+    manifest["binding"]["checkpoint"]["last_known_good_recovery"] = "stated"
+    (stated / "manifest.json").write_text(json.dumps(manifest))
+    seal_bundle(stated, force=True)
+    assert diff_bundles(incident["bundle"], stated).verdict == "REPRODUCED"
