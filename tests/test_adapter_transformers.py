@@ -87,6 +87,9 @@ def test_an_absurd_learning_rate_holds_at_the_truths_step_with_the_trainer_as_be
     assert type(trainer.lr_scheduler) is torch.optim.lr_scheduler.LambdaLR
 
     assert hold.bundle == tmp_path / "run" / "incident" / "lr" / str(onset)
+    # the replay on copies came out as the live step (each micro-batch's loss bits)
+    assert hold.reproduced is not None and hold.reproduced.verdict == "REPRODUCED"
+    assert hold.capsule == hold.bundle / "capsule"
     # HOLD at the sentinel's stage, a telemetry line for every step, the held one last
     assert_held_evidence(tmp_path / "run", "lr", hold.bundle, onset, hold.stage)
     binding = check_bundle(hold.bundle).manifest.binding
@@ -108,6 +111,7 @@ def test_gradients_are_checked_before_the_trainers_clip(tmp_path: Path) -> None:
     )
     hold = hold_of(trainer)
     assert (hold.step, hold.stage) == (1, "backward")
+    assert hold.reproduced is not None and hold.reproduced.verdict == "REPRODUCED"
     assert trainer_bits(trainer) == watch.before[1]
 
     report = check_bundle(hold.bundle)
