@@ -44,7 +44,7 @@ bench: $(VENV)/.test-installed
 bench-sentinel: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_sentinel.py $(BENCH_ARGS)
 
-# `make bench-adapters`: what the Lightning and Accelerate adapters cost a step, with and
+# `make bench-adapters`: what the transformers, Lightning and Accelerate adapters cost a step, with and
 # without each in alternating runs of one process (CPU time a step, and wall-clock).
 bench-adapters: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_adapters.py $(BENCH_ARGS)

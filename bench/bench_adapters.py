@@ -1,4 +1,4 @@
-"""What the Lightning and Accelerate adapters cost a step: same-run ratios.
+"""What the transformers, Lightning and Accelerate adapters cost a step: same-run ratios.
 
 An MLP regression (``--width``, ``--depth``, batches of ``--batch``) trains for
 ``--steps`` steps with and without the adapter, in alternating runs from the
@@ -190,6 +190,69 @@ def accelerate_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[flo
     return timed_steps(args, step, sentinel)
 
 
+# --------------------------------------------------------------- transformers
+
+
+def transformers_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[float, float]:
+    """The median step time of one ``Trainer.train()``, ``SentinelTrainer`` with
+    the adapter (the Trainer clips at 1.0; its step is timed from
+    ``on_step_begin`` to ``on_step_end``)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from nanrunbook.capture.adapters.transformers import SentinelTrainer
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net(args.width, args.depth)
+
+        def forward(self, x: Any, y: Any) -> Any:
+            return {"loss": mse(self.net, (x, y))}
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[tuple[float, float]] = []
+            self.start = (0.0, 0.0)
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.start = now()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.times.append(since(self.start))
+
+    torch.manual_seed(0)
+    records = [
+        {"x": x, "y": y}
+        for batch in data(args.steps, args.batch)
+        for x, y in zip(*batch, strict=True)
+    ]
+    timer = Timer()
+    kwargs: dict[str, Any] = {
+        "model": Regression(),
+        "args": TrainingArguments(
+            output_dir=str(tmp / f"hf-{index}-{adapter}"),
+            per_device_train_batch_size=args.batch,
+            max_steps=args.steps,
+            learning_rate=1e-4,
+            max_grad_norm=1.0,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=args.steps + 1,
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        ),
+        "train_dataset": records,
+        "callbacks": [timer],
+    }
+    if adapter:
+        trainer: Any = SentinelTrainer(**kwargs, sentinel=facts(f"hf-{index}", tmp))
+    else:
+        trainer = Trainer(**kwargs)
+    trainer.train()
+    return medians(timer.times)
+
+
 def torch_run(args: Any, adapter: bool, tmp: Path, index: int) -> tuple[float, float]:
     """The same step in a plain loop, with and without the Sentinel itself: what
     the sentinel costs with no framework around it."""
@@ -236,6 +299,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("nanrunbook").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     params = sum(p.numel() for p in make_net(args.width, args.depth).parameters())
@@ -246,6 +310,7 @@ def main() -> None:
         compare("torch loop", torch_run, args, Path(tmp))
         compare("lightning", lightning_run, args, Path(tmp))
         compare("accelerate", accelerate_run, args, Path(tmp))
+        compare("hf trainer", transformers_run, args, Path(tmp))
     print(f"lightning  counters set aside at each step: {counters_cost(args):.1f} us")
 
 

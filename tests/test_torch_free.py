@@ -85,6 +85,7 @@ def test_every_module_outside_capture_torch_imports_without_torch() -> None:
         "nanrunbook.capture.atomic",
         "nanrunbook.capture.facts",
         "nanrunbook.capture.incident",
+        "nanrunbook.capture.adapters",
         "nanrunbook.capture.telemetry",
         "nanrunbook.telemetry",
         "nanrunbook.telemetry.sinks",
@@ -121,12 +122,12 @@ def test_using_replay_changed_loads_the_torch_side() -> None:
 
 
 def test_the_torch_side_imports_no_training_framework() -> None:
-    """Lightning and Accelerate are imported by their adapters only."""
+    """transformers, Lightning and Accelerate are imported by their adapters only."""
     script = (
         "import sys\n"
         "import nanrunbook.capture.torch, nanrunbook.capture.adapters, nanrunbook.cli\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] in\n"
-        "          ('lightning', 'pytorch_lightning', 'accelerate')]\n"
+        "          ('transformers', 'lightning', 'pytorch_lightning', 'accelerate')]\n"
         "assert not loaded, loaded\n"
     )
     run_python(script)

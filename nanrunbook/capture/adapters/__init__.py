@@ -3,6 +3,8 @@
 One module per framework, each importing its framework (and torch) only there,
 so that importing this package costs nothing:
 
+* :mod:`nanrunbook.capture.adapters.transformers`: ``SentinelTrainer`` and
+  ``SentinelTrainerMixin`` for ``transformers.Trainer`` (extra ``nanrunbook[hf]``).
 * :mod:`nanrunbook.capture.adapters.lightning`: ``SentinelCallback`` for a
   PyTorch Lightning ``Trainer`` (extra ``nanrunbook[lightning]``).
 * :mod:`nanrunbook.capture.adapters.accelerate`: ``watch_accelerate`` for an
