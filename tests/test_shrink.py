@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -707,3 +708,79 @@ def test_the_fixture_is_written_atomically(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.undo()
     with pytest.raises(FixtureError, match="did not go non-finite again"):
         write_fixture(tmp_path / "other", step, shrink(norm_step(bad=3)), bundle=identity("r"))
+
+
+TRAINING_SCRIPT = '''
+"""A training script as people write them: compute_loss at its top level."""
+import sys
+
+import torch
+from torch import nn
+
+from nanrunbook.capture.torch.shrink._failing_step import FailingStep
+from nanrunbook.capture.torch.shrink._shrink import shrink
+
+
+def compute_loss(model, batch):
+    p = torch.sigmoid(model(batch["x"])[:, 0])
+    y = batch["y"].float()
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(5))
+    x[9] *= 1000  # sigmoid rounds to 1: log(1 - p) = -inf
+    y = torch.ones(32, dtype=torch.long)
+    y[9] = 0
+    model = nn.Sequential(nn.Linear(8, 1))
+    step = FailingStep(model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": x, "y": y},
+                       compute_loss)
+    bundle = {"run_id": "script", "step": 11, **BUNDLE}
+    shrink(step, fixture=sys.argv[1], bundle=bundle)
+'''
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_compute_loss_in_a_training_scripts_main_gets_its_current_code_test(
+    guarded: bool, tmp_path: Path
+) -> None:
+    """The usual case: compute_loss is defined in the script that trains
+    (``__main__``). The generated test imports that script by its path, under
+    another name so its main guard does not run; a script that would run code
+    when imported gets no current-code test, and the fixture says why."""
+    source = TRAINING_SCRIPT.replace("**BUNDLE", f"**{BUNDLE!r}")
+    if not guarded:
+        source = source.replace("\ndef compute_loss", "\nprint('training')\n\n\ndef compute_loss")
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    fixture = tmp_path / "fixture"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script), str(fixture)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    program = json.loads((fixture / "fixture.json").read_text())["program"]
+    if not guarded:
+        assert program["current"] is None
+        line = source.splitlines().index("print('training')") + 1
+        assert f"runs code when imported (line {line})" in program["current_note"]
+        return
+    assert program["current"]["script"] == str(script.resolve())
+    report = tmp_path / "junit.xml"
+    ran = run_pytest(str(fixture), f"--junitxml={report}", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    cases = {c.get("name"): c for c in ET.parse(report).getroot().iter("testcase")}
+    current = cases["test_current_code"]
+    assert current.find("skipped") is None and current.find("failure") is None
+
+
+def test_the_fixture_readme_lists_only_the_files_written(shrunk: Any) -> None:
+    for name in SCENARIOS:
+        fixture = shrunk["root"] / name
+        readme = (fixture / "README.md").read_text()
+        listed = re.findall(r"^\| `([^`]+)` \|", readme, flags=re.M)
+        written = {p.name + ("/" if p.is_dir() else "") for p in fixture.iterdir()} - {"README.md"}
+        assert set(listed) == written, name
+    assert "program.pt2" not in (shrunk["root"] / "guarded" / "README.md").read_text()

@@ -19,12 +19,14 @@ Needs torch.
 
 from __future__ import annotations
 
+import ast
 import copy
 import hashlib
 import importlib
 import logging
 import math
 import re
+import sys
 import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -325,6 +327,62 @@ def _importable(obj: Any) -> str | None:
     return None if found is obj else f"{where} names another object"
 
 
+def _script_of(obj: Any) -> tuple[str | None, str | None]:
+    """For a function defined in the running training script (``__main__``, the
+    usual case): the script's path, or why the generated test cannot import it
+    (its top level must only define things, its work under a main guard)."""
+    if getattr(obj, "__module__", None) != "__main__" or "<" in obj.__qualname__:
+        return None, None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not Path(path).is_file():
+        return None, "it lives in __main__ without a script file: move it to a module"
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError) as error:
+        return None, f"its script {path} cannot be read ({type(error).__name__})"
+    for statement in tree.body:
+        if not _defines_only(statement):
+            return None, (
+                f"its script {path} runs code when imported (line {statement.lineno}):"
+                ' put that under `if __name__ == "__main__":` or move compute_loss to a module'
+            )
+    return str(Path(path).resolve()), None
+
+
+_DEFINING = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+    ast.Pass,
+)
+
+
+def _defines_only(statement: ast.stmt) -> bool:
+    """A top-level statement that only defines (imports, functions, classes,
+    assignments, a docstring) or is the script's main guard."""
+    if isinstance(statement, ast.If):
+        test = statement.test
+        return (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and len(test.comparators) == 1
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__"
+        )
+    if isinstance(statement, ast.Try):
+        return all(_defines_only(s) for s in statement.body) and all(
+            _defines_only(s) for handler in statement.handlers for s in handler.body
+        )
+    if isinstance(statement, ast.Expr):
+        return isinstance(statement.value, ast.Constant)
+    return isinstance(statement, _DEFINING)
+
+
 def _current(temp: Path, module: Any, label: str) -> tuple[dict[str, Any] | None, str | None]:
     """The module pickled by class path with its state beside it in raw bits, for
     the test that runs the code as it is now."""
@@ -367,7 +425,9 @@ def _loss_current(
             "the operation runs in compute_loss before the model does: the current-code test"
             " would need the whole model; the frozen program reproduces it"
         )
-    reason = _importable(step.compute_loss)
+    script, reason = _script_of(step.compute_loss)
+    if script is None:
+        reason = reason or _importable(step.compute_loss)
     if reason is not None:
         return None, f"compute_loss: {reason}"
     scale = _scale(step)
@@ -388,7 +448,8 @@ def _loss_current(
         ],
     }
     fn = step.compute_loss
-    return {"kind": "compute_loss", "function": f"{fn.__module__}:{fn.__qualname__}"}, None
+    function = f"{fn.__module__}:{fn.__qualname__}"
+    return {"kind": "compute_loss", "function": function, "script": script}, None
 
 
 def _scale(step: FailingStep) -> float:
@@ -605,24 +666,37 @@ non-finite on its pinned inputs (their digests are verified first).
 
 Once the fix is in, `test_current_code` fails ("the current code gives finite
 values"): flip the one line `FIXED = False` to `FIXED = True` in
-`{test}` and it passes: **fixed**. `test_frozen_program_reproduces` keeps
-reproducing the incident as it was (`program.pt2`, a torch.export program).
+`{test}` and it passes: **fixed**. {frozen}
 
 ## Files
 
 | file | what |
 |---|---|
-| `fixture.json` | the facts above, input and file digests |
-| `inputs.safetensors` | the operation's exact inputs, raw bits (bf16/fp8 kept) |
-| `program.pt2` | the operation and its weights, frozen by torch.export |
-| `module.pt`, `weights.safetensors` | the module by class path, and its state |
-| `bundle/` | the shrunk step's evidence bundle |
-| `{test}` | the test |
-"""
+{files}"""
+
+# The files a fixture may hold, in the README's order; it lists those written.
+_FILES = (
+    ("fixture.json", "the facts above, input and file digests"),
+    (INPUTS_FILE, "the operation's exact inputs, raw bits (bf16/fp8 kept)"),
+    (FROZEN_FILE, "the operation and its weights, frozen by torch.export"),
+    (MODULE_FILE, "the module by class path"),
+    (WEIGHTS_FILE, "the module's state"),
+    (BUNDLE_DIR, "the shrunk step's evidence bundle"),
+)
 
 
-def _readme(document: dict[str, Any], test: str, directory: str) -> str:
+def _readme(document: dict[str, Any], test: str, directory: str, temp: Path) -> str:
     op, shrunk, facts = document["operation"], document["shrink"], document["facts"]
+    rows = [(name, what) for name, what in _FILES if (temp / name).exists()]
+    frozen = (
+        "`test_frozen_program_reproduces` keeps\nreproducing the incident as it was"
+        f" (`{FROZEN_FILE}`, a torch.export program)."
+        if (temp / FROZEN_FILE).exists()
+        else f"No program is frozen ({document['program']['frozen_note']})."
+    )
+    rows.append((test, "the test"))
+    shown = {BUNDLE_DIR: f"{BUNDLE_DIR}/"}
+    files = "".join(f"| `{shown.get(name, name)}` | {what} |\n" for name, what in rows)
     notes = "".join(f"- note: {n}\n" for n in document["notes"])
     interaction = f"- interaction: {shrunk['interaction']}\n" if shrunk["interaction"] else ""
     return _README.format(
@@ -643,6 +717,8 @@ def _readme(document: dict[str, Any], test: str, directory: str) -> str:
         notes=notes,
         test=test,
         directory=directory,
+        files=files,
+        frozen=frozen,
     )
 
 
@@ -732,6 +808,6 @@ def _write_texts(
 ) -> None:
     text = orjson.dumps(document, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
     write_synced(temp / "fixture.json", [text])
-    write_synced(temp / "README.md", [_readme(document, test, directory).encode()])
+    write_synced(temp / "README.md", [_readme(document, test, directory, temp).encode()])
     source = TEST_SOURCE.replace("__DESCRIPTION__", result.operation.describe())
     write_synced(temp / test, [source.replace("__DIRECTORY__", directory).encode()])

@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import json
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -207,12 +209,31 @@ class Recorded(torch.nn.Module):
         return next(self.outputs)
 
 
-def run_compute_loss(function: str, call: dict[str, Any]) -> list[torch.Tensor]:
+def training_script(script: str) -> Any:
+    """The training script compute_loss lives in, imported by its path under
+    another name than __main__, so its main guard does not run."""
+    path = Path(script)
+    if not path.is_file():
+        pytest.skip(f"the training script {script} is not on this machine")
+    sys.path.insert(0, str(path.parent))  # its own imports, as when it ran
+    spec = importlib.util.spec_from_file_location("nanrunbook_fixture_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_compute_loss(
+    function: str, call: dict[str, Any], script: str | None = None
+) -> list[torch.Tensor]:
     """The loop's compute_loss, as the code is now, on the pinned batch, with the
     model's recorded outputs: the loss, or for a backward operation the
     gradients of those outputs."""
     module, _, qualname = function.partition(":")
-    compute_loss: Any = importlib.import_module(module)
+    compute_loss: Any = (
+        training_script(script) if script is not None else importlib.import_module(module)
+    )
     for part in qualname.split("."):
         compute_loss = getattr(compute_loss, part)
     leaves: list[torch.Tensor] = []
@@ -237,7 +258,8 @@ def test_current_code() -> None:
     if current is None:
         pytest.skip(FIXTURE["program"]["current_note"])
     if current["kind"] == "compute_loss":
-        count = nonfinite(run_compute_loss(current["function"], FIXTURE["inputs"]["loss"]))
+        loss_call = FIXTURE["inputs"]["loss"]
+        count = nonfinite(run_compute_loss(current["function"], loss_call, current.get("script")))
     else:
         call = FIXTURE["inputs"][current["call"]]
         count = nonfinite(run(current_module(current), call, flat_inputs=False))
