@@ -185,3 +185,14 @@ def test_a_mechanism_of_one_recorded_step_is_refused_with_why(
             out=tmp_path / "proof",
         )  # fmt: skip
     assert not (tmp_path / "proof").exists()
+
+
+def test_replays_per_group_rate_is_proven_too(incident: dict[str, Any], tmp_path: Path) -> None:
+    """``lr=1`` (replay's per-group form, every group) is the halved rate here."""
+    [change] = parse_changes(["lr=1"])
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+        change=change, out=tmp_path / "proof",
+    )  # fmt: skip
+    assert record.proven, record.reasons
+    assert record.change == "lr=1" and record.changed_items == ("optimizer",)
