@@ -171,12 +171,18 @@ def test_stated_or_verified_is_provenance_not_a_mechanism(
 def test_a_mechanism_of_one_recorded_step_is_refused_with_why(
     incident: dict[str, Any], tmp_path: Path
 ) -> None:
-    from nanrunbook.capture.mechanisms import ClipMaxNorm
+    from nanrunbook.capture.mechanisms import AdamEps, ClipMaxNorm
 
     with pytest.raises(EntryError, match=r"--change clip=1: .* are replay's"):
         prove_recovery(
             incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
             change=ClipMaxNorm(1.0), out=tmp_path / "proof",
+        )  # fmt: skip
+    # the run's SGD has no eps: refused before anything runs
+    with pytest.raises(EntryError, match=r"--change eps=0\.001: param group 0 has no eps"):
+        prove_recovery(
+            incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+            change=AdamEps(1e-3), out=tmp_path / "proof",
         )  # fmt: skip
     taken = {**recovery_run.build(), "sentinel": {"capture_steps": (1,)}}
     with pytest.raises(EntryError, match="sets capture_steps: prove sets them itself"):

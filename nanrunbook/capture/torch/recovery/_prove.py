@@ -65,17 +65,25 @@ class _Applied:
         self.change, self.run, self.stack, self.on = change, run, stack, False
         if isinstance(change, LossScale) and (run.scaler is None or not run.scaler.is_enabled()):
             raise EntryError("loss_scale= needs the run's enabled GradScaler")
+        if isinstance(change, LearningRate | AdamEps):
+            with contextlib.ExitStack() as trial:  # refused now, before anything runs
+                self._set_values(trial)
+
+    def _set_values(self, stack: contextlib.ExitStack) -> None:
+        """The change's optimizer values, set until ``stack`` closes (replay's helper)."""
+        from nanrunbook.capture.torch.replay._mechanisms import _hyperparameters
+
+        assert isinstance(self.change, LearningRate | AdamEps)
+        try:
+            stack.enter_context(_hyperparameters(self.change, self.run.optimizer))
+        except ValueError as error:
+            raise EntryError(f"--change {change_text(self.change)}: {error}") from None
 
     def start(self) -> None:
         self.on = True
         change, run = self.change, self.run
         if isinstance(change, LearningRate | AdamEps):
-            from nanrunbook.capture.torch.replay._mechanisms import _hyperparameters
-
-            try:  # the values stay changed until the proof ends
-                self.stack.enter_context(_hyperparameters(change, run.optimizer))
-            except ValueError as error:
-                raise EntryError(f"--change {change_text(change)}: {error}") from None
+            self._set_values(self.stack)  # changed until the proof ends
         elif isinstance(change, LossScale):
             run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": float(change.scale)})
 
@@ -198,9 +206,6 @@ def prove_recovery(
     taken = sorted(set(own) & set(run.sentinel))
     if taken:
         raise EntryError(f"the entry's sentinel= sets {', '.join(taken)}: prove sets them itself")
-    stack = contextlib.ExitStack()
-    applied = _Applied(change, run, stack)
-    target.mkdir()
     restorable = callable(getattr(run.loader, "load_state_dict", None))
     loaded = load_recovery_point(
         root,
@@ -211,6 +216,9 @@ def prove_recovery(
         data=run.loader if restorable else None,
         generators=run.generators,
     )
+    stack = contextlib.ExitStack()
+    applied = _Applied(change, run, stack)  # a change that cannot apply: refused here
+    target.mkdir()
     sentinel = Sentinel(run.model, run.optimizer, applied.compute_loss, **own, **run.sentinel)
     sentinel.resumed_from(loaded.point)
     steps_run: list[int] = []
