@@ -424,6 +424,46 @@ def test_a_captured_step_that_goes_on_leaves_no_capsule(tmp_path: Path) -> None:
     assert (bundle / "manifest.json").is_file() and not (bundle / "capsule").exists()
 
 
+def test_a_captured_step_that_goes_on_keeps_its_forwards_running_stats(tmp_path: Path) -> None:
+    """A BatchNorm run whose step 2 is captured (capture_steps=) and goes on ends
+    bit for bit as the same run without the capture: the capture replays from
+    the pre-forward buffers and the run keeps the ones its forward wrote."""
+    from sentinel_support import facts, mse_column, quiet_thresholds, regression_batch
+
+    from nanrunbook.capture.torch import Sentinel
+    from nanrunbook.capture.torch.replay._binding import model_item
+
+    before: dict[Path, str] = {}  # the model item's id before step 2's forward
+
+    def run(capture: list[int], where: Path) -> tuple[torch.nn.Module, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        sentinel = Sentinel(model, optimizer, mse_column, capture_steps=capture,
+                            thresholds=quiet_thresholds(), **facts("bn", where))  # fmt: skip
+        for i in (1, 2, 3):
+            if i == 2:
+                before[where] = model_item(model, optimizer)["id"]
+            optimizer.zero_grad()
+            sentinel.forward(regression_batch(i)).backward()
+            optimizer.step()
+        sentinel.close()
+        return model, sentinel
+
+    plain, _ = run([], tmp_path / "plain")
+    captured, sentinel = run([2], tmp_path / "captured")
+    assert 2 in sentinel.captured
+    for (name, a), (_, b) in zip(
+        plain.state_dict().items(), captured.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name  # running_mean, running_var, num_batches_tracked...
+    assert int(captured[1].num_batches_tracked) == 3
+    manifest = orjson.loads((sentinel.captured[2] / "manifest.json").read_bytes())
+    assert manifest["binding"]["model"]["id"] == before[tmp_path / "captured"]  # pre-step state
+
+
 def test_a_capsule_that_travelled_alone_still_replays(incident: Path, tmp_path: Path) -> None:
     alone = tmp_path / "mailed" / "capsule"
     shutil.copytree(incident / "capsule", alone)

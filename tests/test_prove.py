@@ -19,8 +19,7 @@ from recovery_run import SPIKE, run_original
 from nanrunbook import check_bundle
 from nanrunbook.capture.mechanisms import LearningRate
 from nanrunbook.capture.torch import latest_recovery_point, prove_recovery
-from nanrunbook.capture.torch.recovery import EntryError, TrainingRun
-from nanrunbook.capture.torch.recovery._entry import parse_change
+from nanrunbook.capture.torch._entry import Built, EntryError, built_objects, parse_changes
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -37,8 +36,8 @@ def incident(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"bundle": hold.bundle, "point": Path(latest.path), "tmp": tmp}
 
 
-def _build() -> TrainingRun:
-    return TrainingRun.of(recovery_run.build())
+def _build() -> Built:
+    return built_objects(recovery_run.build())
 
 
 def test_halving_the_learning_rate_is_proven(incident: dict[str, Any], tmp_path: Path) -> None:
@@ -62,7 +61,7 @@ def test_halving_the_learning_rate_is_proven(incident: dict[str, Any], tmp_path:
     assert check_bundle(record.new_bundle).decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
     assert all(step == SPIKE for step, _ in record.warnings)  # the spike's own, not after
     document = json.loads((tmp_path / "proof" / "recovery.json").read_text())
-    assert document["proven"] is True and document["change"] == "lr-factor=0.5"
+    assert document["proven"] is True and document["change"] == "lr_factor=0.5"
     assert document["incident"]["owner"] == document["reopen"]["decided_by"] == "ml-oncall"
 
 
@@ -76,26 +75,60 @@ def test_no_change_holds_again_and_is_not_proven(incident: dict[str, Any], tmp_p
     assert "the run held again at the incident step" in record.reasons
 
 
-def test_the_cli_proves_and_says_so(incident: dict[str, Any], tmp_path: Path) -> None:
+def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    base = [
-        sys.executable, "-m", "nanrunbook", "prove", str(incident["point"]),
-        "--entry", "recovery_run:build", "--through", str(SPIKE), "--then", "2",
-        "--incident", str(incident["bundle"]),
-    ]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "nanrunbook", *args],
+        capture_output=True, text=True, timeout=120, env=env, cwd=cwd,
+    )  # fmt: skip
 
-    def run(*more: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*base, *more], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
-        )
 
-    done = run("--out", "proof", "--change", "lr-factor=0.5", "-f", "kv")
+def _prove(incident: dict[str, Any], cwd: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return _cli(
+        cwd, "prove", str(incident["point"]), "--entry", "recovery_run:build",
+        "--through", str(SPIKE), "--then", "2", "--incident", str(incident["bundle"]), *more,
+    )  # fmt: skip
+
+
+def test_the_cli_proves_and_says_so(incident: dict[str, Any], tmp_path: Path) -> None:
+    done = _prove(incident, tmp_path, "--out", "proof", "--change", "lr_factor=0.5", "-f", "kv")
     assert done.returncode == 0, done.stderr
     assert "recovery=PROVEN" in done.stdout.splitlines()
     assert "diff_outcome=FIXED" in done.stdout.splitlines()
-    usage = run("--out", "other", "--change", "lr=half")
+    usage = _prove(incident, tmp_path, "--out", "other", "--change", "momentum=0.9")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
-    assert "lr-factor=" in usage.stderr
+    assert "lr_factor=" in usage.stderr
+
+
+def test_replay_and_prove_take_one_entry_and_one_change_vocabulary(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    """The entry prove resumes (with its loader and sentinel= arguments) rebuilds
+    the held step's capsule for replay too, the same change means the same in
+    both, and a bad change is refused by both in the same words."""
+    capsule = str(incident["bundle"] / "capsule")
+    replayed = _cli(
+        tmp_path, "replay", capsule, "--entry", "recovery_run:build", "--out", "replayed",
+        "--change", "lr_factor=0.5", "-f", "kv",
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    lines = replayed.stdout.splitlines()
+    assert "reproduction=REPRODUCED" in lines
+    assert "change.1.verdict=ONE_MECHANISM_CHANGED" in lines, replayed.stdout
+    assert "change.1.outcome=FIXED" in lines, replayed.stdout
+    proved = _prove(incident, tmp_path, "--out", "proof", "--change", "lr_factor=0.5", "-f", "kv")
+    assert proved.returncode == 0 and "recovery=PROVEN" in proved.stdout.splitlines()
+    for bad in ("momentum=0.9", "lr_factor=1"):
+        replay_usage = _cli(tmp_path, "replay", capsule, "--entry", "recovery_run:build",
+                            "--out", "never", "--change", bad)  # fmt: skip
+        prove_usage = _prove(incident, tmp_path, "--out", "never", "--change", bad)
+        assert (replay_usage.returncode, prove_usage.returncode) == (2, 2)
+        assert replay_usage.stderr.startswith("nanrunbook: replay: "), replay_usage.stderr
+        assert prove_usage.stderr.startswith("nanrunbook: prove: "), prove_usage.stderr
+        said = replay_usage.stderr.removeprefix("nanrunbook: replay: ")
+        assert said == prove_usage.stderr.removeprefix("nanrunbook: prove: ")
+        assert said.count("\n") == 1 and bad.split("=")[0] in said
+    assert not (tmp_path / "never").exists()
 
 
 def test_a_point_that_does_not_verify_is_rejected(incident: dict[str, Any], tmp_path: Path) -> None:
@@ -113,10 +146,10 @@ def test_a_point_that_does_not_verify_is_rejected(incident: dict[str, Any], tmp_
     assert not (tmp_path / "proof").exists()
 
 
-@pytest.mark.parametrize("text", ["lr-factor=1", "lr-factor=x", "momentum=0.9", "autocast=on"])
+@pytest.mark.parametrize("text", ["lr_factor=1", "lr_factor=x", "momentum=0.9", "precision=on"])
 def test_a_change_that_is_not_one(text: str) -> None:
     with pytest.raises(EntryError):
-        parse_change(text)
+        parse_changes([text])
 
 
 def test_stated_or_verified_is_provenance_not_a_mechanism(
@@ -133,3 +166,39 @@ def test_stated_or_verified_is_provenance_not_a_mechanism(
     (stated / "manifest.json").write_text(json.dumps(manifest))
     seal_bundle(stated, force=True)
     assert diff_bundles(incident["bundle"], stated).verdict == "REPRODUCED"
+
+
+def test_a_mechanism_of_one_recorded_step_is_refused_with_why(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    from nanrunbook.capture.mechanisms import AdamEps, ClipMaxNorm
+
+    with pytest.raises(EntryError, match=r"--change clip=1: .* are replay's"):
+        prove_recovery(
+            incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+            change=ClipMaxNorm(1.0), out=tmp_path / "proof",
+        )  # fmt: skip
+    # the run's SGD has no eps: refused before anything runs
+    with pytest.raises(EntryError, match=r"--change eps=0\.001: param group 0 has no eps"):
+        prove_recovery(
+            incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+            change=AdamEps(1e-3), out=tmp_path / "proof",
+        )  # fmt: skip
+    taken = {**recovery_run.build(), "sentinel": {"capture_steps": (1,)}}
+    with pytest.raises(EntryError, match="sets capture_steps: prove sets them itself"):
+        prove_recovery(
+            incident["point"], incident["bundle"], build=lambda: taken, through=SPIKE, then=1,
+            out=tmp_path / "proof",
+        )  # fmt: skip
+    assert not (tmp_path / "proof").exists()
+
+
+def test_replays_per_group_rate_is_proven_too(incident: dict[str, Any], tmp_path: Path) -> None:
+    """``lr=1`` (replay's per-group form, every group) is the halved rate here."""
+    [change] = parse_changes(["lr=1"])
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+        change=change, out=tmp_path / "proof",
+    )  # fmt: skip
+    assert record.proven, record.reasons
+    assert record.change == "lr=1" and record.changed_items == ("optimizer",)

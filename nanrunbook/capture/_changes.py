@@ -22,6 +22,7 @@ __all__ = [
     "OtherBatch",
     "Reduction",
     "WithoutAutocast",
+    "change_text",
     "parse_change",
     "valid_changes",
 ]
@@ -71,9 +72,9 @@ class AutocastDtype:
 @dataclass(frozen=True, slots=True)
 class LearningRate:
     """Another learning rate, the ``optimizer`` item: every param group's rate
-    times ``factor`` (``prove --change lr-factor=``, a resumed run), or
-    ``rates``, pairs of a param group's index (None: every group) and its new
-    rate (``replay --change lr=``). A capsule replay takes either form."""
+    times ``factor`` (``--change lr_factor=``), or ``rates``, pairs of a param
+    group's index (None: every group) and its new rate (``--change lr=``). A
+    capsule replay and a resumed run (``prove``) take either form."""
 
     factor: float | None = None
     rates: tuple[tuple[int | None, float], ...] = ()
@@ -143,6 +144,7 @@ MECHANISMS: dict[str, str] = {
     "precision": "fp32 (no autocast), bf16 or fp16 (autocast in that dtype)",
     "loss_scale": "a power of two in [2^-24, 2^24] (the GradScaler's scale)",
     "lr": "RATE for every param group, or GROUP:RATE[,GROUP:RATE...]",
+    "lr_factor": "F, every param group's rate times F (F > 0, not 1)",
     "eps": "Adam's eps for every param group",
     "clip": "the max norm of gradient clipping, or none",
     "reduction": "mean or sum",
@@ -209,7 +211,7 @@ def _learning_rate(value: str) -> LearningRate:
 
 
 def parse_change(text: str) -> Change:
-    """One ``MECHANISM=VALUE`` of ``nanrunbook replay --change``; ChangeRefused
+    """One ``MECHANISM=VALUE`` of ``nanrunbook replay`` or ``prove --change``; ChangeRefused
     (its message naming the valid forms) for anything else."""
     name, equals, value = text.partition("=")
     name, value = name.strip(), value.strip()
@@ -224,6 +226,11 @@ def parse_change(text: str) -> Change:
         return LossScale(_number(value, "loss_scale"))
     if name == "lr":
         return _learning_rate(value)
+    if name == "lr_factor":
+        factor = _number(value, "lr_factor")
+        if not factor > 0 or factor == 1:
+            raise ChangeRefused(f"lr_factor={value}: valid is {MECHANISMS['lr_factor']}")
+        return LearningRate(factor=factor)
     if name == "eps":
         return AdamEps(_number(value, "eps"))
     if name == "clip":
@@ -237,3 +244,32 @@ def parse_change(text: str) -> Change:
     if value.lower() not in ("on", "true", "1"):
         raise ChangeRefused(f"deterministic={value}: valid is {MECHANISMS['deterministic']}")
     return Deterministic()
+
+
+def change_text(change: Change) -> str:
+    """The ``MECHANISM=VALUE`` that :func:`parse_change` reads as ``change``
+    (another batch, given as data, has none: ``batch=other``)."""
+    if isinstance(change, WithoutAutocast):
+        return "precision=fp32"
+    if isinstance(change, AutocastDtype):
+        return f"precision={change.dtype}"
+    if isinstance(change, LossScale):
+        return f"loss_scale={change.scale:g}"
+    if isinstance(change, LearningRate):
+        if change.factor is not None:
+            return f"lr_factor={change.factor:g}"
+        rates = [f"{rate:g}" if g is None else f"{g}:{rate:g}" for g, rate in change.rates]
+        return f"lr={','.join(rates)}"
+    if isinstance(change, AdamEps):
+        return f"eps={change.eps:g}"
+    if isinstance(change, ClipMaxNorm):
+        return f"clip={'none' if change.max_norm is None else format(change.max_norm, 'g')}"
+    if isinstance(change, Reduction):
+        return f"reduction={change.to}"
+    if isinstance(change, BatchExamples):
+        if change.drop:
+            return f"batch=drop:{','.join(map(str, change.drop))}"
+        return f"batch=replace:{','.join(f'{i}={j}' for i, j in change.replace)}"
+    if isinstance(change, OtherBatch):
+        return "batch=other"
+    return "deterministic=on"

@@ -35,6 +35,7 @@ __all__ = [
     "entry_point",
     "guarded",
     "main",
+    "usage_error",
 ]
 
 app = typer.Typer(
@@ -122,6 +123,12 @@ BundleArgument = Annotated[
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def usage_error(verb: str, message: str) -> NoReturn:
+    """A usage error found in a command's body, as one line: exit 2."""
+    sys.stderr.write(f"nanrunbook: {verb}: {message}\n")
+    raise typer.Exit(Exit.USAGE)
 
 
 def guarded(command: Callable[P, R]) -> Callable[P, R]:

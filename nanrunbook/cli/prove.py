@@ -10,7 +10,7 @@ from typing import IO, Annotated
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path, usage_error
 
 __all__ = ["prove", "prove_and_emit"]
 
@@ -32,7 +32,8 @@ def prove(
         typer.Option(
             "--entry",
             metavar="MODULE:FUNCTION",
-            help="The function that builds the run's objects (see man 1).",
+            help="Builds the run's objects, as for replay, with its loader (see man 1);"
+            " MODULE is found from the current directory first.",
             show_default=False,
         ),
     ],
@@ -51,7 +52,10 @@ def prove(
         typer.Option(
             "--change",
             metavar="MECHANISM=VALUE",
-            help="lr-factor=0.5, loss-scale=1024 or autocast=off (one).",
+            help="One change, from the incident step on: precision, loss_scale, lr,"
+            " lr_factor or eps, as for replay (clip, reduction, batch and deterministic"
+            " rewrite one recorded step: replay them from the capsule).",
+            show_default=False,
         ),
     ] = None,
     incident: Annotated[
@@ -140,23 +144,24 @@ def prove_and_emit(
     stream: IO[str],
 ) -> int:
     """Prove, write the record in ``fmt`` to ``stream``; the exit code."""
-    from nanrunbook.capture.torch.recovery import EntryError, prove_recovery
-    from nanrunbook.capture.torch.recovery._entry import load_entry, parse_change
+    from nanrunbook.capture.torch._entry import EntryError, build, load_entry, parse_changes
+    from nanrunbook.capture.torch.recovery import prove_recovery
     from nanrunbook.cli._judging import emit
     from nanrunbook.errors import EvidenceRejected
     from nanrunbook.exits import Exit
     from nanrunbook.output.renderers import RENDERERS
 
     try:
-        if len(changes) > 1:
+        parsed = parse_changes(changes)
+        if len(parsed) > 1:
             raise EntryError("one --change at a time: a proof changes one mechanism")
-        change = parse_change(changes[0]) if changes else None
+        change = parsed[0] if parsed else None
         if out.exists():
             raise EntryError(f"--out {out} exists: the record goes into a new directory")
         record = prove_recovery(
             path,
             incident,
-            build=lambda: load_entry(entry)(),  # imported once the evidence is verified
+            build=lambda: build(load_entry(entry)),  # imported once the evidence is verified
             through=through,
             then=then,
             change=change,
@@ -164,7 +169,7 @@ def prove_and_emit(
             max_warnings=max_warnings,
         )
     except EntryError as error:
-        raise typer.BadParameter(str(error)) from None
+        usage_error("prove", str(error))
     except EvidenceRejected as error:
         sys.stderr.write(f"nanrunbook: prove: {error.message}\n")
         for violation in error.violations:

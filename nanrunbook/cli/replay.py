@@ -11,7 +11,7 @@ from typing import IO, Annotated, Any
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path, usage_error
 
 __all__ = ["replay"]
 
@@ -34,7 +34,8 @@ def replay(
             "--entry",
             metavar="MODULE:FUNCTION",
             help="Builds model, optimizer, compute_loss (scheduler, scaler...) as the"
-            " training script does; MODULE is found from the current directory first.",
+            " training script does (see man 1); MODULE is found from the current directory"
+            " first.",
             show_default=False,
         ),
     ],
@@ -44,7 +45,7 @@ def replay(
             "--change",
             metavar="MECHANISM=VALUE",
             help="Replay once more with exactly this changed (repeatable): precision,"
-            " loss_scale, lr, eps, clip, reduction, batch, deterministic.",
+            " loss_scale, lr, lr_factor, eps, clip, reduction, batch, deterministic.",
             show_default=False,
         ),
     ] = None,
@@ -94,7 +95,7 @@ def replay(
         changes = list(zip(texts, parse_changes(texts), strict=True))
         opened = Capsule.open(capsule)
     except EntryError as error:
-        _usage(str(error))
+        usage_error("replay", str(error))
     except StateDirRejected as error:
         raise typer.Exit(emit_rejection(error, capsule, format.value, sys.stdout)) from None
     target = (
@@ -104,9 +105,9 @@ def replay(
         built = build(load_entry(entry))
         result = replay_capsule(opened, built, changes, target)
     except EntryError as error:
-        _usage(str(error))
+        usage_error("replay", str(error))
     except ValueError as error:  # a change that cannot apply: the value is wrong
-        _usage(str(error))
+        usage_error("replay", str(error))
     except StateDirRejected as error:
         raise typer.Exit(emit_rejection(error, capsule, format.value, sys.stdout)) from None
     except ComparisonRejected as error:
@@ -115,11 +116,6 @@ def replay(
     code = result.exit_code(require_fixed=require_fixed)
     emit(functools.partial(_write, result, format.value, require_fixed, sys.stdout), sys.stdout)
     raise typer.Exit(code)
-
-
-def _usage(message: str) -> Any:
-    sys.stderr.write(f"nanrunbook: replay: {message}\n")
-    raise typer.Exit(2)
 
 
 def _diff(renderer: Any, comparison: Any) -> str:

@@ -1,15 +1,21 @@
 """The user's build entry (``--entry module:function``) and the command line's
-mechanism changes (``--change MECHANISM=VALUE``): shared by ``nanrunbook replay``
-and every command that rebuilds a training step from the user's own code.
+mechanism changes (``--change MECHANISM=VALUE``): the one protocol of
+``nanrunbook replay`` and ``nanrunbook prove``, and of every command that
+rebuilds a training run from the user's own code.
 
-The protocol: the entry is called with no argument and returns the objects of
-one training step, as a dict or a dataclass instance with these fields:
+The protocol: the entry is called with no argument and returns the run's
+objects, as a dict or a dataclass instance with these fields:
 
 * ``model`` (an ``nn.Module``), ``optimizer`` (a ``torch.optim.Optimizer``) and
   ``compute_loss`` (``compute_loss(model, batch)``, the loop's own), required;
 * ``scheduler``, ``scaler`` (a ``torch.amp.GradScaler``), optional (None);
 * ``modules`` (the sentinel's ``modules=`` predicate) and ``generators`` (the
-  loop's own ``torch.Generator`` objects, in the sentinel's order), optional.
+  loop's own ``torch.Generator`` objects, in the sentinel's order), optional;
+* ``loader`` (the run's batches in order; with ``state_dict()`` and
+  ``load_state_dict()`` its position is restored) and ``sentinel`` (more
+  keyword arguments for the ``Sentinel``: ``thresholds``, ``snapshot``...):
+  what a resumed run needs (``prove`` requires ``loader``); a replay from a
+  capsule takes the step's batch and recipe from the capsule and ignores them.
 
 Nothing else is accepted: a misspelt field is an error, not a default.
 """
@@ -20,8 +26,8 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,13 +39,14 @@ __all__ = [
     "Built",
     "EntryError",
     "build",
+    "built_from",
     "built_objects",
     "load_entry",
     "parse_changes",
 ]
 
 REQUIRED = ("model", "optimizer", "compute_loss")
-OPTIONAL = ("scheduler", "scaler", "modules", "generators")
+OPTIONAL = ("scheduler", "scaler", "modules", "generators", "loader", "sentinel")
 ENTRY_FIELDS = (*REQUIRED, *OPTIONAL)
 
 
@@ -60,6 +67,8 @@ class Built:
     scaler: Any = None
     modules: Callable[[str, Any], bool] | None = None
     generators: tuple[Any, ...] = ()
+    loader: Iterable[Any] | None = None
+    sentinel: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _error_line(error: BaseException) -> str:
@@ -101,7 +110,7 @@ def load_entry(spec: str) -> Callable[[], Any]:
 def _fields(value: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return dict(value)
     raise EntryError(
         f"the entry returned a {type(value).__name__}: expected a dict or a dataclass with"
@@ -109,11 +118,12 @@ def _fields(value: Any) -> dict[str, Any]:
     )
 
 
-def built_objects(value: Any) -> Built:
-    """What an entry returned, checked against the protocol."""
+def built_objects(value: Any, *, needs: Sequence[str] = ()) -> Built:
+    """What an entry returned, checked against the protocol; ``needs`` names
+    the optional fields the caller cannot do without."""
     fields = _fields(value)
     unknown = sorted(set(fields) - set(ENTRY_FIELDS))
-    missing = [name for name in REQUIRED if fields.get(name) is None]
+    missing = [name for name in (*REQUIRED, *needs) if fields.get(name) is None]
     problems = []
     if missing:
         problems.append(f"missing {', '.join(missing)}")
@@ -137,6 +147,12 @@ def built_objects(value: Any) -> Built:
             isinstance(g, torch.Generator) for g in generators
         ):
             problems.append("generators is not a sequence of torch.Generator")
+        loader = fields.get("loader")
+        if loader is not None and not isinstance(loader, Iterable):
+            problems.append(f"loader is a {type(loader).__name__}, not an iterable of batches")
+        sentinel = fields.get("sentinel") or {}
+        if not isinstance(sentinel, Mapping) or not all(isinstance(k, str) for k in sentinel):
+            problems.append("sentinel is not a mapping of Sentinel keyword arguments")
     if problems:
         raise EntryError(f"the entry returned the wrong things: {'; '.join(problems)}")
     return Built(
@@ -147,19 +163,36 @@ def built_objects(value: Any) -> Built:
         scaler=fields.get("scaler"),
         modules=fields.get("modules"),
         generators=tuple(fields.get("generators") or ()),
+        loader=fields.get("loader"),
+        sentinel=dict(fields.get("sentinel") or {}),
     )
 
 
-def build(entry: Callable[[], Any]) -> Built:
-    """Call the entry and check what it returned."""
+def build(entry: Callable[[], Any], *, needs: Sequence[str] = ()) -> Built:
+    """Call the entry and check what it returned (``needs``: as :func:`built_objects`)."""
     try:
         value = entry()
+    except EntryError:
+        raise  # a loader of the entry (load_entry inside it) already said what is wrong
     except BaseException as error:
         if isinstance(error, KeyboardInterrupt):
             raise
         name = getattr(entry, "__qualname__", repr(entry))
         raise EntryError(f"the entry {name}() failed: {_error_line(error)}") from None
-    return built_objects(value)
+    return built_objects(value, needs=needs)
+
+
+def built_from(value: Any, *, needs: Sequence[str] = ()) -> Built:
+    """``value`` as a checked :class:`Built`: one already (its ``needs`` checked),
+    the entry function (called: :func:`build`) or what an entry returned."""
+    if isinstance(value, Built):
+        missing = [name for name in needs if getattr(value, name) is None]
+        if missing:
+            raise EntryError(f"the entry returned the wrong things: missing {', '.join(missing)}")
+        return value
+    if callable(value):
+        return build(value, needs=needs)
+    return built_objects(value, needs=needs)
 
 
 def parse_changes(texts: Sequence[str]) -> tuple[Change, ...]:

@@ -22,8 +22,7 @@ import torch
 from nanrunbook.capture._changes import CHANGE_FIELD, Change
 from nanrunbook.capture.incident import Reproduction, StepSight
 from nanrunbook.capture.torch._copies import eager_module
-from nanrunbook.capture.torch._entry import Built, built_objects
-from nanrunbook.capture.torch._entry import build as build_from
+from nanrunbook.capture.torch._entry import Built, built_from
 from nanrunbook.capture.torch._state_dir import (
     StateDirManifest,
     StateDirRejected,
@@ -163,13 +162,7 @@ class Capsule:
     ) -> Report:
         """Build (``build``: the entry function, or what it returned), load, replay
         the step as recorded or with ``change``, write its bundle at ``out``."""
-        if isinstance(build, Built):
-            built = build
-        elif callable(build):
-            built = build_from(build)
-        else:
-            built = built_objects(build)
-        return self.load(built).replay(out, change)
+        return self.load(built_from(build)).replay(out, change)
 
     # ---------------------------------------------------------------- load
 

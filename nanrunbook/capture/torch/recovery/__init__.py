@@ -14,7 +14,7 @@ from nanrunbook.capture.recovery import (
     latest_recovery_point,
     verify_recovery_point,
 )
-from nanrunbook.capture.torch.recovery._entry import EntryError, TrainingRun
+from nanrunbook.capture.torch._entry import Built, EntryError
 from nanrunbook.capture.torch.recovery._point import (
     LoadedRecoveryPoint,
     load_recovery_point,
@@ -24,11 +24,11 @@ from nanrunbook.capture.torch.recovery._point import (
 from nanrunbook.capture.torch.recovery._prove import prove_recovery
 
 __all__ = [
+    "Built",
     "EntryError",
     "LoadedRecoveryPoint",
     "RecoveryPoint",
     "RecoveryVerification",
-    "TrainingRun",
     "latest_recovery_point",
     "load_recovery_point",
     "prove_recovery",

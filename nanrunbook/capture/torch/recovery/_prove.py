@@ -19,7 +19,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nanrunbook.capture._changes import Change, LearningRate, LossScale, WithoutAutocast
+from nanrunbook.capture._changes import (
+    AdamEps,
+    AutocastDtype,
+    Change,
+    LearningRate,
+    LossScale,
+    WithoutAutocast,
+    change_text,
+)
 from nanrunbook.capture.atomic import atomic_write
 from nanrunbook.capture.incident import SentinelHold
 from nanrunbook.capture.recovery import (
@@ -28,54 +36,67 @@ from nanrunbook.capture.recovery import (
     record_document,
     verify_recovery_point,
 )
-from nanrunbook.capture.torch.recovery._entry import EntryError, TrainingRun
+from nanrunbook.capture.torch._entry import Built, EntryError, built_from
 from nanrunbook.capture.torch.recovery._point import load_recovery_point
 from nanrunbook.check import check_bundle
 from nanrunbook.contract import CONTINUE
 from nanrunbook.diff import FIXED, ONE_MECHANISM_CHANGED, diff_bundles
 from nanrunbook.manifest.parse import RECOVERY_PARTS
 
-__all__ = ["RECORD_NAME", "prove_recovery"]
+__all__ = ["NOT_PROVABLE_WHY", "PROVABLE", "RECORD_NAME", "prove_recovery"]
 
 RECORD_NAME = "recovery.json"
 
 
-def _describe(change: Change | None) -> str | None:
-    if change is None:
-        return None
-    if isinstance(change, LearningRate):
-        if change.factor is None:  # the per-group form is a capsule replay's (replay --change lr=)
-            raise EntryError("a resumed run takes LearningRate(factor), not per-group rates")
-        return f"lr-factor={change.factor:g}"
-    if isinstance(change, LossScale):
-        return f"loss-scale={change.scale:g}"
-    if isinstance(change, WithoutAutocast):
-        return "autocast=off"
-    raise EntryError(f"{type(change).__name__} cannot be applied to a resumed run")
+# The mechanisms a resumed run can take from the incident step on; the others
+# rewrite one recorded step's recipe and are a capsule replay's.
+PROVABLE = (LearningRate, AdamEps, LossScale, WithoutAutocast, AutocastDtype)
+NOT_PROVABLE_WHY = (
+    "clip, reduction, batch and deterministic are replay's: they rewrite one recorded"
+    " step (its clipping, its loss functions, its examples, its kernels), and a resumed"
+    " run's steps are prove's own loop over the entry's loader"
+)
 
 
 class _Applied:
     """The change, off until the incident step, then on for the rest of the run."""
 
-    def __init__(self, change: Change | None, run: TrainingRun) -> None:
-        self.change, self.run, self.on = change, run, False
+    def __init__(self, change: Change | None, run: Built, stack: contextlib.ExitStack) -> None:
+        self.change, self.run, self.stack, self.on = change, run, stack, False
         if isinstance(change, LossScale) and (run.scaler is None or not run.scaler.is_enabled()):
-            raise EntryError("loss-scale= needs the run's enabled GradScaler")
+            raise EntryError("loss_scale= needs the run's enabled GradScaler")
+        if isinstance(change, LearningRate | AdamEps):
+            with contextlib.ExitStack() as trial:  # refused now, before anything runs
+                self._set_values(trial)
+
+    def _set_values(self, stack: contextlib.ExitStack) -> None:
+        """The change's optimizer values, set until ``stack`` closes (replay's helper)."""
+        from nanrunbook.capture.torch.replay._mechanisms import _hyperparameters
+
+        assert isinstance(self.change, LearningRate | AdamEps)
+        try:
+            stack.enter_context(_hyperparameters(self.change, self.run.optimizer))
+        except ValueError as error:
+            raise EntryError(f"--change {change_text(self.change)}: {error}") from None
 
     def start(self) -> None:
         self.on = True
         change, run = self.change, self.run
-        if isinstance(change, LearningRate):
-            for group in run.optimizer.param_groups:
-                group["lr"] = group["lr"] * change.factor
+        if isinstance(change, LearningRate | AdamEps):
+            self._set_values(self.stack)  # changed until the proof ends
         elif isinstance(change, LossScale):
             run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": float(change.scale)})
 
     def compute_loss(self, model: Any, batch: Any) -> Any:
-        if self.on and isinstance(self.change, WithoutAutocast):
-            from nanrunbook.capture.mechanisms import autocast_off
+        from nanrunbook.capture.torch.replay._mechanisms import autocast_as, autocast_off
 
+        if self.on and isinstance(self.change, WithoutAutocast):
             with autocast_off():
+                return self.run.compute_loss(model, batch)
+        if self.on and isinstance(self.change, AutocastDtype):
+            import torch
+
+            with autocast_as(getattr(torch, self.change.dtype)):
                 return self.run.compute_loss(model, batch)
         return self.run.compute_loss(model, batch)
 
@@ -91,7 +112,7 @@ def _loop_facts(incident: Path) -> tuple[str, str, dict[str, Any]]:
     return manifest["run"]["run_id"], manifest["incident_owner"], facts
 
 
-def _step(run: TrainingRun, sentinel: Any, batch: Any) -> None:
+def _step(run: Built, sentinel: Any, batch: Any) -> None:
     run.optimizer.zero_grad()
     loss = sentinel.forward(batch)
     if run.scaler is not None and run.scaler.is_enabled():
@@ -130,7 +151,7 @@ def prove_recovery(
     point: str | Path,
     incident: str | Path,
     *,
-    build: Callable[[], TrainingRun],
+    build: Callable[[], Any],
     through: int,
     then: int,
     change: Change | None = None,
@@ -165,9 +186,26 @@ def prove_recovery(
         raise EntryError(f"the point is step {verification.step}: not before the incident")
     if then < 0:
         raise EntryError(f"--then {then}: a number of steps >= 0")
-    description = _describe(change)
-    run = build()
-    target.mkdir()
+    if change is not None and not isinstance(change, PROVABLE):
+        raise EntryError(f"--change {change_text(change)}: {NOT_PROVABLE_WHY}")
+    run = built_from(build, needs=("loader",))
+    run_id, owner, facts = _loop_facts(bundle)
+    telemetry = target / "telemetry.jsonl"
+    own = {
+        "run_id": run_id,
+        "incident_owner": owner,
+        "scheduler": run.scheduler,
+        "scaler": run.scaler,
+        "generators": run.generators,
+        "incident_dir": target / "incident",
+        "telemetry": telemetry,
+        "capture_steps": (through,),
+        **facts,
+        **({"modules": run.modules} if run.modules is not None else {}),
+    }
+    taken = sorted(set(own) & set(run.sentinel))
+    if taken:
+        raise EntryError(f"the entry's sentinel= sets {', '.join(taken)}: prove sets them itself")
     restorable = callable(getattr(run.loader, "load_state_dict", None))
     loaded = load_recovery_point(
         root,
@@ -178,46 +216,34 @@ def prove_recovery(
         data=run.loader if restorable else None,
         generators=run.generators,
     )
-    run_id, owner, facts = _loop_facts(bundle)
-    applied = _Applied(change, run)
-    telemetry = target / "telemetry.jsonl"
-    sentinel = Sentinel(
-        run.model,
-        run.optimizer,
-        applied.compute_loss,
-        run_id=run_id,
-        incident_owner=owner,
-        scheduler=run.scheduler,
-        scaler=run.scaler,
-        generators=run.generators,
-        incident_dir=target / "incident",
-        telemetry=telemetry,
-        capture_steps=(through,),
-        **facts,
-        **dict(run.sentinel),
-    )
+    stack = contextlib.ExitStack()
+    applied = _Applied(change, run, stack)  # a change that cannot apply: refused here
+    target.mkdir()
+    sentinel = Sentinel(run.model, run.optimizer, applied.compute_loss, **own, **run.sentinel)
     sentinel.resumed_from(loaded.point)
     steps_run: list[int] = []
     hold: SentinelHold | None = None
+    assert run.loader is not None  # built_from needs it
     batches: Iterator[Any] = iter(run.loader)
     loaded.restore_random()  # the iterator may have drawn its seed from torch's generator
     reasons: list[str] = []
-    try:
-        for number in range(loaded.point.step + 1, through + then + 1):
-            if number == through:
-                applied.start()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                reasons.append(f"the loader ran out before step {number}")
-                break
-            steps_run.append(number)
-            _step(run, sentinel, batch)
-        sentinel.close()
-    except SentinelHold as held:
-        hold = held
-        with contextlib.suppress(SentinelHold):
+    with stack:  # the change's values are put back when the proof ends, however it ends
+        try:
+            for number in range(loaded.point.step + 1, through + then + 1):
+                if number == through:
+                    applied.start()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    reasons.append(f"the loader ran out before step {number}")
+                    break
+                steps_run.append(number)
+                _step(run, sentinel, batch)
             sentinel.close()
+        except SentinelHold as held:
+            hold = held
+            with contextlib.suppress(SentinelHold):
+                sentinel.close()
     new_bundle = hold.bundle if hold is not None and hold.step == through else None
     if new_bundle is None:
         new_bundle = sentinel.captured.get(through)
@@ -230,7 +256,7 @@ def prove_recovery(
         owner=owner,
         through=through,
         then=then,
-        description=description,
+        description=change_text(change) if change is not None else None,
         steps_run=tuple(steps_run),
         hold=hold,
         new_bundle=new_bundle,

@@ -45,7 +45,7 @@ from nanrunbook.capture.torch.sentinel._fsdp import (
     local_view,
 )
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
-from nanrunbook.capture.torch.sentinel._snapshot import StateSnapshot, reset_scaler_step
+from nanrunbook.capture.torch.sentinel._snapshot import Buffers, StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code
 
@@ -59,6 +59,7 @@ class Decisions:
     """The per-step decision; the attributes it uses are the Sentinel's."""
 
     # Set by Sentinel.__init__ (declared for readers and type checkers).
+    model: Any
     optimizer: Any
     scaler: Any
     loss_scale: float | None
@@ -158,20 +159,26 @@ class Decisions:
     def _capture_healthy(self, step: StepRecord) -> None:
         """The bundle of a step asked for (``capture_steps``) that goes on: its
         replay on copies, before the update (a proof of recovery needs the
-        incident step's bundle whatever its verdict)."""
-        captured = capture_step(
-            self.objects,
-            self.facts,
-            step,
-            self.last_known_good,
-            self.incident_dir,
-            self.ranks.member,
-            None,
-            self._topology(),
-            recovery={"last_known_good_recovery": self.last_known_good_recovery},
-            capsule=False,  # the step goes on: no held state to keep
-        )
-        step.buffers.restore()  # whatever the replay's compute_loss touched
+        incident step's bundle whatever its verdict). The replay starts from the
+        buffers before the forward, as a held step's does; the run goes on with
+        the ones its forward wrote (a BatchNorm's running statistics of this step)."""
+        forward = Buffers(self.model)
+        step.buffers.restore()
+        try:
+            captured = capture_step(
+                self.objects,
+                self.facts,
+                step,
+                self.last_known_good,
+                self.incident_dir,
+                self.ranks.member,
+                None,
+                self._topology(),
+                recovery={"last_known_good_recovery": self.last_known_good_recovery},
+                capsule=False,  # the step goes on: no held state to keep
+            )
+        finally:
+            forward.restore()  # and whatever the replay's compute_loss touched is undone
         if captured.bundle is not None:
             self.captured[step.number] = captured.bundle
 

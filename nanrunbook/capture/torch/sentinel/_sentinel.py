@@ -150,7 +150,8 @@ class Sentinel(Decisions):
     STEP_NOT_REPRODUCED and goes on (one process; several ranks hold). The
     telemetry line's ``reproduced`` records it either way.
     ``capture_steps``: steps whose bundle is captured (a replay on
-    copies, before the update) even when they go on; found in ``captured``
+    copies, before the update, from the buffers before the forward) even when
+    they go on, with the buffers their forward wrote; found in ``captured``
     (a proof of recovery needs its incident step's).
     """
 
