@@ -85,8 +85,8 @@ def test_a_path_given_to_the_wrong_command_names_the_one_meant(tmp_path: Path) -
     assert f"is an evidence bundle, not telemetry: judge it with nanrunbook check '{bundle}'" in err
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "telemetry-rank-00001.jsonl").write_text("")
-    code, _, err = _cli("watch", str(tmp_path / "run"))
-    assert code == 3 and "it holds 'telemetry-rank-00001.jsonl'" in err
+    code, _, err = _cli("watch", str(tmp_path / "run"))  # a run directory: a job's telemetry
+    assert code == 3 and "no telemetry record in" in err and "telemetry-rank-00001.jsonl" in err
     code, out, _ = _cli("check", str(bundle / "manifest.json"))
     assert code == 3 and f"(this is its manifest): nanrunbook check '{bundle}'" in out
     code, out, _ = _cli("merge", str(root))
