@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,8 @@ import pytest
 from bundlekit import copy_fixture, load, read_tensor_file, save, write_tensor_file
 
 from nanrunbook import Caps, EvidenceRejected, check_bundle
-from nanrunbook.capture import _capsule_codes, _state_manifest, recovery
-from nanrunbook.codes import CODES
+from nanrunbook.capture import _state_manifest, recovery
+from nanrunbook.codes import CAPSULE_CODES, CODES
 from nanrunbook.errors import quote
 from nanrunbook.verdict import incident_set, merge
 
@@ -641,7 +643,7 @@ def _(tmp, mp):
 # incident-set and merge codes by test_incident_set.py.
 ELSEWHERE = {"RECORD_INCONSISTENT"} | set(incident_set.CODES) | set(merge.CODES)
 ELSEWHERE |= set(_state_manifest.CODES)  # state directories: test_state_dir.py
-ELSEWHERE |= set(_capsule_codes.CODES)  # capsules: test_capsule.py
+ELSEWHERE |= set(CAPSULE_CODES)  # capsules: test_capsule.py
 ELSEWHERE |= set(recovery.CODES)  # recovery points: test_recovery.py
 
 
@@ -710,3 +712,33 @@ def test_a_bundle_path_with_control_characters_is_quoted(tmp_path: Path) -> None
     (violation,) = info.value.violations
     assert violation.code == "BUNDLE_NOT_FOUND"
     assert violation.where.isprintable() and violation.where.isascii()
+
+
+# ARCHITECTURE.md: the shared vocabulary at the top level imports nothing above it.
+VOCABULARY = ("errors", "records", "dtypes", "contract", "codes", "warning_codes", "exits")
+VOCABULARY += ("strictjson",)
+
+
+@pytest.mark.parametrize("name", VOCABULARY)
+def test_the_shared_vocabulary_imports_nothing_above_it(name: str) -> None:
+    """In a fresh interpreter the module loads no module of a package below the
+    top (manifest, tensors, verdict, capture, ...): the catalogue of codes too."""
+    script = (
+        "import json, sys\n"
+        f"import nanrunbook.{name}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('nanrunbook.'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    )
+    below = [m for m in json.loads(done.stdout) if m.count(".") > 1 or _is_package(m)]
+    assert below == []
+
+
+def _is_package(module: str) -> bool:
+    return (Path(__file__).parents[1] / module.replace(".", "/") / "__init__.py").exists()

@@ -26,6 +26,7 @@ import orjson
 
 from nanrunbook import strictjson
 from nanrunbook.access import file_where
+from nanrunbook.codes import STATE_DIRECTORY_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 
 __all__ = [
@@ -57,34 +58,6 @@ FORMATS = MappingProxyType(
     }
 )
 
-CODES: dict[str, str] = {
-    "STATE_DIR_NOT_FOUND": "the state directory does not exist, or is not a directory",
-    "STATE_MANIFEST_MISSING": (
-        "the state directory has no manifest.json: it is incomplete (its writer never finished)"
-    ),
-    "STATE_MANIFEST_INVALID": "manifest.json cannot be read, is not strict JSON, or lacks a field",
-    "STATE_FORMAT_UNKNOWN": "manifest.json names another kind of state directory, or a version",
-    "STATE_PATH_UNSAFE": "a listed path is empty, absolute, or has a '..', '.' or empty component",
-    "STATE_FILE_MISSING": "a file the manifest lists does not exist",
-    "STATE_FILE_SYMLINK": "a listed file, or a directory on its path, is a symlink",
-    "STATE_FILE_NOT_REGULAR": "a listed file is a directory, FIFO, device or socket",
-    "STATE_FILE_UNREADABLE": "a listed file cannot be opened or read",
-    "STATE_FILE_SIZE_MISMATCH": "a file's size differs from the manifest's",
-    "STATE_FILE_DIGEST_MISMATCH": "a file's SHA-256 differs from the manifest's",
-    "STATE_FILE_UNLISTED": "a file, symlink or directory is present that the manifest does not list",
-    "STATE_METADATA_MISSING": "the manifest lists no DCP metadata (state/.metadata)",
-    "STATE_METADATA_REFUSED": (
-        "DCP's metadata pickle names a class outside DCP's own metadata records: never run"
-    ),
-    "STATE_DOCUMENT_INVALID": "a JSON document of the directory is not strict JSON",
-    "STATE_DATA_REFUSED": (
-        "DCP's files hold an object weights-only loading refuses, or not what the metadata"
-        " says: never run"
-    ),
-    "STATE_KEYS_DIFFER": "the state to load into and the saved state have different keys",
-    "STATE_SHAPE_MISMATCH": "a saved tensor's shape differs from the one it would load into",
-    "STATE_DTYPE_MISMATCH": "a saved tensor's dtype differs from the one it would load into",
-}
 
 # The only globals DCP's metadata pickle may name (torch 2.13 writes these):
 # its own metadata records, torch.Size, dtypes, layouts and memory formats by

@@ -26,6 +26,7 @@ from nanrunbook.capture._state_manifest import (
     read_document,
     verify_state_dir,
 )
+from nanrunbook.codes import RECOVERY_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.manifest.parse import RECOVERY_PARTS
@@ -54,19 +55,6 @@ PARTS = (*RECOVERY_PARTS, "rng")  # what a point holds: the contract's five and 
 # The parts kept as JSON documents (``<part>.json``); model and optimizer are DCP state.
 DOCUMENT_PARTS = ("scheduler", "scaler", "data_position", "rng")
 RNG_STREAMS = ("torch_cpu", "numpy", "python")  # always taken; CUDA devices when present
-
-CODES: dict[str, str] = {
-    "RECOVERY_HEADER_INVALID": (
-        "the manifest's header lacks the step, run id, point id, torch version, world size"
-        " or parts, or one is of the wrong form"
-    ),
-    "RECOVERY_PART_MISSING": (
-        "one of model, optimizer, scheduler, scaler, data_position and rng is not in the"
-        " point, or is not where the header says"
-    ),
-    "RECOVERY_STEP_MISMATCH": "a part was saved at another step than the point's",
-    "RECOVERY_RNG_MISSING": "the random states lack torch's CPU, numpy's or Python's stream",
-}
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from nanrunbook.access import MANIFEST_NAME, open_in_bundle, read_manifest_bytes
 from nanrunbook.capture.atomic import atomic_write
+from nanrunbook.codes import SEAL_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.content_id import EVIDENCE_ID_KEY, EVIDENCE_ID_PREFIX, evidence_content_id
 from nanrunbook.strictjson import child_path, load_manifest_bytes
@@ -34,17 +35,6 @@ from nanrunbook.tensors.verify import header_limit
 
 __all__ = ["CODES", "Replacement", "SealResult", "seal_bundle"]
 
-CODES = {
-    "SEAL_VALUE_DIFFERS": (
-        "seal: an existing sha256 or evidence_content_id differs from the value computed"
-        " (replaced only with --force)"
-    ),
-    "SEAL_TENSOR_UNREADABLE": (
-        "seal: a complete-stage tensor cannot be hashed (its file is missing, unsafe or"
-        " malformed, or does not hold the tensor)"
-    ),
-    "SEAL_MANIFEST_CHANGED": "seal: manifest.json changed while it was being sealed",
-}
 
 _TENSOR_KEY_ORDER = ("name", "file", "dtype", "shape", "sha256", "probe")
 _TOP_KEY_ORDER = (

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nanrunbook.codes import CONTENT_ID_CODES as CODES
 from nanrunbook.errors import Violation
 from nanrunbook.strictjson import Parsed, canonical_json, canonical_member_dropped
 
@@ -22,10 +23,6 @@ __all__ = [
 EVIDENCE_ID_PREFIX = "training-incident-evidence@sha256:"
 EVIDENCE_ID_KEY = "evidence_content_id"
 EVIDENCE_ID_FORM = re.compile(re.escape(EVIDENCE_ID_PREFIX) + r"[0-9a-f]{64}")
-
-CODES = {
-    "EVIDENCE_CONTENT_ID_MISMATCH": "evidence_content_id differs from the recomputed id",
-}
 
 
 def evidence_content_id(

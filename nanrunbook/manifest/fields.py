@@ -11,6 +11,7 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+from nanrunbook.codes import FIELD_CODES as CODES
 from nanrunbook.contract import (
     IDENTIFIER_MAX_CHARS,
     IDENTIFIER_PATTERN,
@@ -23,19 +24,6 @@ from nanrunbook.strictjson import child_path
 __all__ = ["CODES", "IDENTIFIER", "MAX_FREE_TEXT", "MAX_TENSOR_NAME", "Fields", "Sink"]
 
 IDENTIFIER = re.compile(IDENTIFIER_PATTERN)
-
-CODES = {
-    "FIELD_MISSING": "a required field is absent",
-    "FIELD_UNKNOWN": "a field the format does not define (only binding items may carry extra fields)",
-    "FIELD_TYPE": "a field has the wrong JSON type (a boolean is not a number, 3.0 is not an integer)",
-    "FIELD_OUT_OF_RANGE": "a number is outside the range its field allows",
-    "VALUE_NOT_ALLOWED": "a field holds a value outside its fixed set of choices",
-    "IDENTIFIER_INVALID": f"an identifier does not match ^{IDENTIFIER_PATTERN}$",
-    "TEXT_INVALID": f"free text is not printable or is longer than {MAX_FREE_TEXT:,} characters",
-    "TENSOR_NAME_INVALID": (
-        f"a tensor name is not printable or not 1 to {MAX_TENSOR_NAME} characters long"
-    ),
-}
 
 
 class Sink:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nanrunbook.access import check_relative_path
+from nanrunbook.codes import PARSE_CODES as CODES
 from nanrunbook.contract import (
     BUNDLE_FORMAT,
     CONTRACT_VERSION,
@@ -88,24 +89,6 @@ SCALER_MODES = ("none", "static", "dynamic")
 STATUSES = ("OBSERVED", "NOT_RUN")
 RESOLUTIONS = ("complete", "summary")
 GRADIENT_FORMS = ("unscaled", "scaled")
-
-CODES = {
-    "FORMAT_UNSUPPORTED": "format is not nanrunbook-bundle/1",
-    "CONTRACT_VERSION_UNSUPPORTED": "contract_version is not training-incident-v1",
-    "EVIDENCE_CONTENT_ID_INVALID": "evidence_content_id is not training-incident-evidence@sha256:<64 hex>",
-    "DIGEST_INVALID": "a tensor sha256 is not 64 lowercase hex digits",
-    "DTYPE_UNKNOWN": "a dtype name that safetensors does not define",
-    "SHAPE_INVALID": "a shape array holds an item that is not an integer >= 0",
-    "LAST_KNOWN_GOOD_INCOMPLETE": "verified_together is not exactly model, optimizer, scheduler, "
-    "scaler and data_position, each once",
-    "TOPOLOGY_INVALID": "rank is not below world_size",
-    "STAGES_NOT_FIVE": "stages is an array of other than five records",
-    "STAGE_FIELD_NOT_ALLOWED": "a stage field its status or stage forbids (NOT_RUN with tensors, "
-    "gradients outside backward, ...)",
-    "ENTRY_FIELD_NOT_ALLOWED": "a summary tensor entry carries file or sha256",
-    "TENSORS_EMPTY": "an OBSERVED stage lists no tensors",
-    "SCALER_FIELD_NOT_ALLOWED": "a dynamic-scaler field in mode none or static",
-}
 
 
 def parse_manifest(

@@ -13,6 +13,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Protocol
 
+from nanrunbook.codes import RULE_CODES as CODES
 from nanrunbook.contract import SCALE_RANGE, STAGE_ORDER, Caps, is_contract_scale
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import Violation, quote
@@ -31,38 +32,6 @@ __all__ = [
     "stage_set_violations",
     "stage_violations",
 ]
-
-
-CODES = {
-    "LAST_KNOWN_GOOD_NOT_BEFORE_RUN": "last_known_good.step is not below run.step",
-    "STAGE_ORDER": "stages are not input, forward, loss, backward, optimizer in that order",
-    "TRANSITION_INPUT_NOT_OBSERVED": "the input stage is not OBSERVED",
-    "TRANSITION_NOT_RUN_WITHOUT_NONFINITE": "a stage is NOT_RUN but no earlier OBSERVED stage has a "
-    "non-finite element",
-    "TRANSITION_OBSERVED_AFTER_NOT_RUN": "a stage after a NOT_RUN stage is not NOT_RUN",
-    "TELEMETRY_ID_DUPLICATE": "two stages share a telemetry_id",
-    "TENSOR_SET_ID_DUPLICATE": "two stages share a tensor_set id",
-    "TENSOR_NAME_DUPLICATE": "two tensor entries share a name",
-    "COUNTS_NOT_RECONCILED": "finite + nan + posinf + neginf is not elements, or more elements "
-    "are declared NaN or infinite than the stage's dtypes can encode",
-    "COUNTS_ELEMENTS_MISMATCH": "counts.elements is not the sum of the stage's tensor sizes",
-    "SUMMARY_SUB_RESOLUTION": "a summary covers fewer elements than its tensor set (a sample)",
-    "FINITE_MAX_ABS_INVALID": "finite_max_abs is negative",
-    "FINITE_MAX_ABS_EXCESSIVE": "finite_max_abs is above the largest finite value of the stage's "
-    "floating dtypes",
-    "FINITE_MAX_ABS_NULL_MISMATCH": "finite_max_abs is null although the stage has a finite floating "
-    "element, or the reverse",
-    "GRADIENTS_SCALED_WITHOUT_SCALER": "gradients are scaled but the scaler mode is none",
-    "SCALER_SCALE_NOT_ONE": "scaler mode none with a scale other than 1",
-    "SCALER_SCALE_UNSAFE": f"scale is not {SCALE_RANGE}",
-    "SCALER_FACTOR_INVALID": "growth_factor is not > 1 or backoff_factor is not in (0, 1)",
-    "SCALER_TRANSITION_INVALID": "found_inf, step_skipped and scale_after do not agree",
-    "SCALER_FOUND_INF_MISMATCH": "found_inf disagrees with whether the backward stage has a "
-    "non-finite element",
-    "CAP_STAGE_TENSORS": "a stage lists more tensors than the cap",
-    "CAP_STAGE_ELEMENTS": "a stage holds more elements than the cap",
-    "CAP_BUNDLE_ELEMENTS": "the bundle holds more elements than the cap",
-}
 
 
 class StageLike(Protocol):

@@ -23,6 +23,7 @@ from typing import Any
 
 from nanrunbook import strictjson
 from nanrunbook.access import file_where, os_error
+from nanrunbook.codes import SAFETENSORS_CODES as CODES
 from nanrunbook.contract import TENSOR_HEADER_MAX_BYTES
 from nanrunbook.dtypes import DTYPES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
@@ -42,31 +43,6 @@ MAX_HEADER_LEN = TENSOR_HEADER_MAX_BYTES
 U64_MAX = 2**64 - 1  # the format's integers, and so the most elements a file can hold
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 _METADATA = "__metadata__"
-
-CODES: dict[str, str] = {
-    "HEADER_LENGTH_INVALID": (
-        "the 8-byte header length is missing, zero, above the bound, or past the end of the file"
-    ),
-    "HEADER_NOT_UTF8": "a safetensors header is not UTF-8",
-    "HEADER_INVALID_JSON": (
-        "a safetensors header is not one JSON object from '{' to '}' (space padding allowed),"
-        " uses NaN/Infinity, escapes a lone surrogate, or nests too deep"
-    ),
-    "HEADER_DUPLICATE_NAME": "a safetensors header names the same tensor twice",
-    "HEADER_FIELD_UNKNOWN": "a tensor entry has a field other than dtype, shape, data_offsets",
-    "HEADER_FIELD_INVALID": (
-        "a tensor entry or __metadata__ is missing a field, repeats one, or has the wrong type"
-    ),
-    "HEADER_DTYPE_UNKNOWN": "a tensor entry has a dtype the safetensors format does not define",
-    "HEADER_LENGTH_MISMATCH": "a tensor's byte range length does not match its dtype and shape",
-    "HEADER_SUBBYTE_ALIGNMENT": (
-        "a sub-byte dtype tensor's element count times bit width is not a multiple of 8"
-    ),
-    "HEADER_OFFSETS_INVALID": (
-        "tensor byte ranges do not tile the data area exactly (gap, overlap or trailing bytes)"
-    ),
-    "FILE_TRUNCATED": "a tensor file is shorter than its header's byte ranges need (cut short)",
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from operator import is_
 from pathlib import Path
 
 from nanrunbook.access import file_where, open_in_bundle
+from nanrunbook.codes import VERIFY_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.records import (
     Counts,
@@ -48,17 +49,6 @@ def header_limit(bound_entries: int) -> int:
     tensor entries to (spec section 1): every command that reads headers uses it."""
     return min(HEADER_BASE_BYTES + HEADER_BYTES_PER_ENTRY * bound_entries, MAX_HEADER_LEN)
 
-
-CODES = {
-    "TENSOR_NOT_IN_FILE": "a manifest entry names a tensor its file does not hold",
-    "TENSOR_UNBOUND": "a tensor file holds a tensor no manifest entry binds",
-    "TENSOR_DTYPE_MISMATCH": "an entry's dtype differs from its file header",
-    "TENSOR_SHAPE_MISMATCH": "an entry's shape differs from its file header",
-    "DIGEST_MISMATCH": "a tensor's SHA-256 differs from its entry",
-    "COUNTS_RECOUNT_MISMATCH": "declared counts differ from the recount of a complete stage",
-    "FINITE_MAX_ABS_RECOUNT_MISMATCH": "declared finite_max_abs differs from the recount",
-    "FILE_CHANGED": "a tensor file changed size while it was read",
-}
 
 Progress = Callable[[int], None]
 

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanrunbook.codes import DECISION_CODES as CODES
 from nanrunbook.contract import ACTIONS, CONTINUE, HOLD, NO_NONFINITE_ACTION, ROOT_CAUSE_CLAIM
 from nanrunbook.errors import EvidenceRejected, Violation
 from nanrunbook.manifest.rules import counts_violations, found_inf_violations, sequence_violations
 from nanrunbook.records import Counts, Decision, Scaler, StageFinding, StageRecord, TensorFinding
 
 __all__ = ["CODES", "decide", "finding_violations"]
-
-CODES = {
-    "RECORD_INCONSISTENT": "an evidence record handed to the decision contradicts itself "
-    "(altered after it was checked)",
-}
 
 
 def _inconsistent(where: str, message: str) -> Violation:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanrunbook._version import __version__
+from nanrunbook.codes import INCIDENT_SET_CODES as CODES
 from nanrunbook.contract import (
     ACTIONS,
     CONTINUE,
@@ -54,16 +55,6 @@ ORIGINS = ("ONE_RANK", "SOME_RANKS", "ALL_RANKS", "NONE")
 # that large, but world_size is any integer >= 1) runs are written first-last,
 # so the answer stays bounded.
 MAX_LISTED_RANKS = 1 << 20
-
-CODES = {
-    "SET_EMPTY": "an incident set holds no member bundle (a subdirectory with manifest.json)",
-    "SET_CONTRACT_MISMATCH": "members declare, or were judged under, different contracts",
-    "SET_RUN_MISMATCH": "members declare different run.run_id values",
-    "SET_STEP_MISMATCH": "members declare different run.step values",
-    "SET_WORLD_SIZE_MISMATCH": "members declare different binding.topology.world_size values",
-    "SET_RANK_DUPLICATE": "two members declare the same binding.topology.rank",
-    "SET_RANKS_MISSING": "no member declares some rank below world_size, and no member holds",
-}
 
 
 @dataclass(frozen=True, slots=True)

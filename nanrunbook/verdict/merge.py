@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from nanrunbook.access import file_where
+from nanrunbook.codes import MERGE_CODES as CODES
 from nanrunbook.contract import CONTINUE, CONTRACT_ID_PREFIX, HOLD, STAGE_ORDER, contract_content_id
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.declared import NOTHING_DECLARED, Declared
@@ -50,12 +51,6 @@ __all__ = ["CODES", "MAX_REPORT_BYTES", "members_of_document", "merge_reports"]
 
 MAX_REPORT_BYTES = 1 << 30  # a set's report holds every member's; this is far above one
 
-CODES = {
-    "REPORT_UNREADABLE": "a report given to merge cannot be read (missing, not a regular file, "
-    "larger than 1 GiB, I/O)",
-    "REPORT_INVALID": "a report given to merge is not a nanrunbook check report in JSON "
-    "(bad JSON, unknown report_format, a value of the wrong form)",
-}
 
 _CONTENT_ID = re.compile(re.escape(CONTRACT_ID_PREFIX) + "[0-9a-f]{64}")
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
