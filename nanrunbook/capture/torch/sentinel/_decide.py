@@ -42,9 +42,9 @@ from nanrunbook.capture.torch.sentinel._checks import (
 from nanrunbook.capture.torch.sentinel._fsdp import (
     OwnGradients,
     capture_sharded_step,
-    local_view,
 )
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
+from nanrunbook.capture.torch.sentinel._shards import local_view
 from nanrunbook.capture.torch.sentinel._snapshot import Buffers, StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code

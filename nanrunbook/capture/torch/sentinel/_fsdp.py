@@ -52,6 +52,7 @@ from nanrunbook.capture.torch.sentinel._capture import (
     held_line,
     stated_binding,
 )
+from nanrunbook.capture.torch.sentinel._shards import is_dtensor, local
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
 from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.errors import EvidenceRejected
@@ -62,8 +63,6 @@ __all__ = [
     "OwnGradients",
     "capture_sharded_step",
     "is_fully_sharded",
-    "local",
-    "local_view",
     "replicated",
 ]
 
@@ -94,27 +93,11 @@ def is_fully_sharded(model: Any) -> bool:
     )
 
 
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def local(tensor: Any) -> Any:
-    """A DTensor's local shard (the tensor FSDP2 holds, no collective); any other
-    tensor itself."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
-
-
-def local_view(tensors: list[Any]) -> list[Any]:
-    return [local(t) for t in tensors]
-
-
 def replicated(norm: Any) -> Any:
     """A DTensor norm (``get_total_norm`` of sharded gradients is a partial
     reduction) made whole on every rank, once: the all-reduce the loop's own
     ``clip_grad_norm_`` makes when it clips; the clipping then reuses it."""
-    if not _is_dtensor(norm):
+    if not is_dtensor(norm):
         return norm
     from torch.distributed.tensor import Replicate
 
@@ -190,7 +173,7 @@ def _reduce_scatter_of(groups: list[Any]) -> Any:
 
 def _shard(tensor: Any) -> tuple[str, str]:
     """A name suffix and a probe description of a DTensor's local shard."""
-    if not _is_dtensor(tensor):
+    if not is_dtensor(tensor):
         return "", ""
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate() or []

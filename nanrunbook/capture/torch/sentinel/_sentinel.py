@@ -62,11 +62,11 @@ from nanrunbook.capture.torch.sentinel._decide import STOP, Decisions
 from nanrunbook.capture.torch.sentinel._fsdp import (
     OwnGradients,
     is_fully_sharded,
-    local,
     replicated,
 )
 from nanrunbook.capture.torch.sentinel._intercept import Intercepts
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Ranks
+from nanrunbook.capture.torch.sentinel._shards import local
 from nanrunbook.capture.torch.sentinel._snapshot import (
     SNAPSHOT_PLACES,
     Buffers,
