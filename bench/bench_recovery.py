@@ -20,10 +20,9 @@ disk. ::
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -37,6 +36,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nanrunbook.capture.torch import load_recovery_point, save_recovery_point, verify_recovery_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sha_floor import sha_stream
 
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
@@ -53,18 +55,9 @@ def build(megabytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def sha_stream(directory: Path) -> str:
+def directory_sha(directory: Path) -> str:
     """One SHA-256 over every file below ``directory``, one 1 MiB buffer, one core."""
-    digest = hashlib.sha256()
-    view = memoryview(bytearray(1 << 20))
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while n := os.readv(fd, [view]):
-                digest.update(view[:n])
-        finally:
-            os.close(fd)
-    return digest.hexdigest()
+    return sha_stream(sorted(p for p in directory.rglob("*") if p.is_file()), 1 << 20)
 
 
 def timed(run: Callable[[], Any], repeat: int, before: Callable[[], Any] = lambda: None) -> float:
@@ -101,7 +94,7 @@ def main() -> None:
         t_dcp_save = timed(dcp_save_once, args.repeat, clear(dcp_dir))
         t_save = timed(ours_save_once, args.repeat, clear(point))
         size = sum(p.stat().st_size for p in point.rglob("*") if p.is_file())
-        t_sha = timed(lambda: sha_stream(point), args.repeat)
+        t_sha = timed(lambda: directory_sha(point), args.repeat)
         t_verify = timed(lambda: verify_recovery_point(point), args.repeat)
         assert verify_recovery_point(point).verified
 

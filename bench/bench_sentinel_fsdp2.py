@@ -28,6 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -79,19 +81,22 @@ class Timed(Sentinel):
             self.compute_loss = inner
             self.own += time.perf_counter() - start - spent[0]
 
-    def _decide(self, *, scaler_path: bool) -> bool:
+    @contextmanager
+    def _own_time(self) -> Iterator[None]:
+        """Adds the block's wall time to the sentinel's own (all of it is the sentinel's)."""
         start = time.perf_counter()
         try:
-            return super()._decide(scaler_path=scaler_path)
+            yield
         finally:
             self.own += time.perf_counter() - start
 
+    def _decide(self, *, scaler_path: bool) -> bool:
+        with self._own_time():
+            return super()._decide(scaler_path=scaler_path)
+
     def _after_update(self) -> None:
-        start = time.perf_counter()
-        try:
+        with self._own_time():
             super()._after_update()
-        finally:
-            self.own += time.perf_counter() - start
 
 
 def _model(width: int, layers: int) -> nn.Module:

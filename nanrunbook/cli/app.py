@@ -110,15 +110,23 @@ def non_empty_path(text: str) -> Path:
     return Path(text)
 
 
-BundleArgument = Annotated[
-    Path,
-    typer.Argument(
-        metavar="BUNDLE",
-        parser=non_empty_path,
-        help="The evidence bundle directory.",
-        show_default=False,
-    ),
-]
+def path_argument(metavar: str, help: str) -> Any:
+    """An argument naming a path (never the empty one)."""
+    return typer.Argument(metavar=metavar, parser=non_empty_path, help=help, show_default=False)
+
+
+def path_option(flag: str, metavar: str, help: str) -> Any:
+    """An option naming a path (never the empty one), its default stated in ``help``."""
+    return typer.Option(flag, metavar=metavar, parser=non_empty_path, help=help, show_default=False)
+
+
+def change_option(help: str) -> Any:
+    """``--change MECHANISM=VALUE`` (replay's and prove's), repeatable."""
+    return typer.Option("--change", metavar="MECHANISM=VALUE", help=help, show_default=False)
+
+
+BundleArgument = Annotated[Path, path_argument("BUNDLE", "The evidence bundle directory.")]
+FormatOption = Annotated[CheckFormat, typer.Option("--format", "-f", help="Output format.")]
 
 
 P = ParamSpec("P")

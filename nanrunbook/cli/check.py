@@ -12,13 +12,14 @@ import typer
 from nanrunbook.cli.app import (
     DEFAULT_CAPS,
     CheckFormat,
+    FormatOption,
     MaxBundleElements,
     MaxStageElements,
     MaxStageTensors,
     caps_from,
     command,
     guarded,
-    non_empty_path,
+    path_argument,
 )
 from nanrunbook.verdict.precision import WarningThresholds
 
@@ -26,11 +27,8 @@ __all__ = ["check"]
 
 BundlesArgument = Annotated[
     list[Path],
-    typer.Argument(
-        metavar="BUNDLE",
-        parser=non_empty_path,
-        help="Evidence bundle directories, or incident sets (directories of rank bundles).",
-        show_default=False,
+    path_argument(
+        "BUNDLE", "Evidence bundle directories, or incident sets (directories of rank bundles)."
     ),
 ]
 
@@ -138,9 +136,7 @@ def _check_checklist(checklist: bool, format: CheckFormat, *, brief: bool, bundl
 @guarded
 def check(
     bundles: BundlesArgument,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
     brief: Brief = False,
     checklist: FullChecklist = False,
     fail_on_warnings: FailOnWarnings = False,

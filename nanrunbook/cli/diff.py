@@ -6,32 +6,31 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from nanrunbook.cli.app import (
     DEFAULT_CAPS,
     CheckFormat,
+    FormatOption,
     MaxBundleElements,
     MaxStageElements,
     MaxStageTensors,
     caps_from,
     command,
     guarded,
-    non_empty_path,
+    path_argument,
 )
 
 __all__ = ["diff"]
 
 
-def _bundle(metavar: str, help: str) -> Any:
-    return typer.Argument(metavar=metavar, parser=non_empty_path, help=help, show_default=False)
-
-
-BaseArgument = Annotated[Path, _bundle("BASE", "The bundle compared against (the replay as is).")]
+BaseArgument = Annotated[
+    Path, path_argument("BASE", "The bundle compared against (the replay as is).")
+]
 OtherArgument = Annotated[
-    Path, _bundle("OTHER", "The bundle compared (the replay with one mechanism changed).")
+    Path, path_argument("OTHER", "The bundle compared (the replay with one mechanism changed).")
 ]
 
 
@@ -40,9 +39,7 @@ OtherArgument = Annotated[
 def diff(
     base: BaseArgument,
     other: OtherArgument,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
     require_fixed: Annotated[
         bool,
         typer.Option(

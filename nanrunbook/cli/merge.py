@@ -9,18 +9,19 @@ from typing import Annotated
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+from nanrunbook.cli.app import (
+    CheckFormat,
+    FormatOption,
+    command,
+    guarded,
+    path_argument,
+)
 
 __all__ = ["merge"]
 
 ReportsArgument = Annotated[
     list[Path],
-    typer.Argument(
-        metavar="REPORT",
-        parser=non_empty_path,
-        help="Files written by nanrunbook check --format json on each node.",
-        show_default=False,
-    ),
+    path_argument("REPORT", "Files written by nanrunbook check --format json on each node."),
 ]
 
 
@@ -28,9 +29,7 @@ ReportsArgument = Annotated[
 @guarded
 def merge(
     reports: ReportsArgument,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
 ) -> None:
     """Merge per-node check --format json reports into one incident set's verdict.
 

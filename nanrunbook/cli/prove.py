@@ -10,7 +10,16 @@ from typing import IO, Annotated
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path, usage_error
+from nanrunbook.cli.app import (
+    CheckFormat,
+    FormatOption,
+    change_option,
+    command,
+    guarded,
+    path_argument,
+    path_option,
+    usage_error,
+)
 
 __all__ = ["prove", "prove_and_emit"]
 
@@ -23,9 +32,7 @@ __all__ = ["prove", "prove_and_emit"]
 def prove(
     path: Annotated[
         Path,
-        typer.Argument(
-            metavar="PATH", parser=non_empty_path, help="The recovery point.", show_default=False
-        ),
+        path_argument("PATH", "The recovery point."),
     ],
     entry: Annotated[
         str,
@@ -49,34 +56,21 @@ def prove(
     ] = 10,
     change: Annotated[
         list[str] | None,
-        typer.Option(
-            "--change",
-            metavar="MECHANISM=VALUE",
-            help="One change, from the incident step on: precision, loss_scale, lr,"
+        change_option(
+            "One change, from the incident step on: precision, loss_scale, lr,"
             " lr_factor or eps, as for replay (clip, reduction, batch and deterministic"
-            " rewrite one recorded step: replay them from the capsule).",
-            show_default=False,
+            " rewrite one recorded step: replay them from the capsule)."
         ),
     ] = None,
     incident: Annotated[
         Path | None,
-        typer.Option(
-            "--incident",
-            metavar="BUNDLE",
-            parser=non_empty_path,
-            help="The incident step's bundle [default: incident/RUN_ID/STEP].",
-            show_default=False,
+        path_option(
+            "--incident", "BUNDLE", "The incident step's bundle [default: incident/RUN_ID/STEP]."
         ),
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(
-            "--out",
-            metavar="DIR",
-            parser=non_empty_path,
-            help="A new directory for the record [default: recovery-STEP].",
-            show_default=False,
-        ),
+        path_option("--out", "DIR", "A new directory for the record [default: recovery-STEP]."),
     ] = None,
     max_warnings: Annotated[
         int,
@@ -84,9 +78,7 @@ def prove(
             "--max-warnings", metavar="N", min=0, help="Warnings allowed after the incident step."
         ),
     ] = 0,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
 ) -> None:
     """Resume from a recovery point, run the incident step with a change and N more steps.
 

@@ -11,7 +11,16 @@ from typing import IO, Annotated, Any
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path, usage_error
+from nanrunbook.cli.app import (
+    CheckFormat,
+    FormatOption,
+    change_option,
+    command,
+    guarded,
+    path_argument,
+    path_option,
+    usage_error,
+)
 
 __all__ = ["replay"]
 
@@ -21,12 +30,7 @@ __all__ = ["replay"]
 def replay(
     capsule: Annotated[
         Path,
-        typer.Argument(
-            metavar="CAPSULE",
-            parser=non_empty_path,
-            help="The capsule directory (a held bundle's capsule/).",
-            show_default=False,
-        ),
+        path_argument("CAPSULE", "The capsule directory (a held bundle's capsule/)."),
     ],
     entry: Annotated[
         str,
@@ -41,22 +45,15 @@ def replay(
     ],
     change: Annotated[
         list[str] | None,
-        typer.Option(
-            "--change",
-            metavar="MECHANISM=VALUE",
-            help="Replay once more with exactly this changed (repeatable): precision,"
-            " loss_scale, lr, lr_factor, eps, clip, reduction, batch, deterministic.",
-            show_default=False,
+        change_option(
+            "Replay once more with exactly this changed (repeatable): precision,"
+            " loss_scale, lr, lr_factor, eps, clip, reduction, batch, deterministic."
         ),
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(
-            "--out",
-            metavar="DIR",
-            parser=non_empty_path,
-            help="A new directory for the replays' bundles [default: ./replay-RUN-STEP].",
-            show_default=False,
+        path_option(
+            "--out", "DIR", "A new directory for the replays' bundles [default: ./replay-RUN-STEP]."
         ),
     ] = None,
     require_fixed: Annotated[
@@ -67,9 +64,7 @@ def replay(
             " changed and FIXED the step.",
         ),
     ] = False,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
 ) -> None:
     """Replay a held step from its capsule, as recorded and with one mechanism changed.
 

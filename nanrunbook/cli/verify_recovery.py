@@ -9,28 +9,24 @@ from typing import IO, Annotated
 
 import typer
 
-from nanrunbook.cli.app import CheckFormat, command, guarded, non_empty_path
+from nanrunbook.cli.app import (
+    CheckFormat,
+    FormatOption,
+    command,
+    guarded,
+    path_argument,
+)
 
 __all__ = ["verify_and_emit", "verify_recovery"]
 
-PointArgument = Annotated[
-    Path,
-    typer.Argument(
-        metavar="PATH",
-        parser=non_empty_path,
-        help="The recovery point directory.",
-        show_default=False,
-    ),
-]
+PointArgument = Annotated[Path, path_argument("PATH", "The recovery point directory.")]
 
 
 @command("Re-read every file of a recovery point and check its manifest: exit 0 verified, 3 not.")
 @guarded
 def verify_recovery(
     path: PointArgument,
-    format: Annotated[
-        CheckFormat, typer.Option("--format", "-f", help="Output format.")
-    ] = CheckFormat.text,
+    format: FormatOption = CheckFormat.text,
 ) -> None:
     """Re-read every file of a recovery point and check its manifest: exit 0 verified, 3 not.
 

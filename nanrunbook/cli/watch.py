@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nanrunbook.cli.app import command, guarded, non_empty_path
+from nanrunbook.cli.app import command, guarded, non_empty_path, path_argument
 from nanrunbook.exits import Exit
 
 if TYPE_CHECKING:
@@ -73,13 +73,11 @@ def svg_path(text: str) -> Path:
 
 TelemetryArgument = Annotated[
     list[Path],
-    typer.Argument(
-        metavar="TELEMETRY...",
-        parser=non_empty_path,
-        help="The sentinel's telemetry file (nanrunbook-telemetry/1 JSON lines); several"
+    path_argument(
+        "TELEMETRY...",
+        "The sentinel's telemetry file (nanrunbook-telemetry/1 JSON lines); several"
         " files, or a run directory (incident/RUN/: its telemetry*.jsonl, one per rank),"
         " are read as one job.",
-        show_default=False,
     ),
 ]
 

@@ -115,10 +115,7 @@ class Downsampler:
         if headroom is not None and headroom < bucket[_HMIN]:
             bucket[_HMIN] = headroom
         if scale is not None:
-            if scale < bucket[_SMIN]:
-                bucket[_SMIN] = scale
-            if scale > bucket[_SMAX]:
-                bucket[_SMAX] = scale
+            _widen(bucket, scale, _SMIN, _SMAX)
         if skipped or held or nonfinite:
             bucket[_SKIP] += skipped
             bucket[_HELD] += held
@@ -126,10 +123,7 @@ class Downsampler:
         if grad_norm is not None and grad_norm > bucket[_NMAX]:
             bucket[_NMAX] = grad_norm
         if lr is not None:
-            if lr < bucket[_RMIN]:
-                bucket[_RMIN] = lr
-            if lr > bucket[_RMAX]:
-                bucket[_RMAX] = lr
+            _widen(bucket, lr, _RMIN, _RMAX)
         if compute_headroom is not None and compute_headroom < bucket[_CMIN]:
             bucket[_CMIN] = compute_headroom
 
@@ -202,6 +196,14 @@ class Downsampler:
             )
             for b in self._buckets
         )
+
+
+def _widen(bucket: list[float], value: float, low: int, high: int) -> None:
+    """One value into ``bucket``'s extremes at ``low`` and ``high``."""
+    if value < bucket[low]:
+        bucket[low] = value
+    if value > bucket[high]:
+        bucket[high] = value
 
 
 def _fold(bucket: list[float], values: list[Any], low: int | None, high: int | None) -> None:

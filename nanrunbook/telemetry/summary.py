@@ -443,6 +443,18 @@ def _output_plain(output: CommonOutput) -> bool:
     return bits is None or bits >= 1.0
 
 
+def _span_seen(kept: list[float] | None, value: float) -> list[float]:
+    """A series' [first, last, min, max] with ``value`` seen next (updated in place)."""
+    if kept is None:
+        return [value, value, value, value]
+    kept[1] = value
+    if value < kept[2]:
+        kept[2] = value
+    elif value > kept[3]:
+        kept[3] = value
+    return kept
+
+
 def _never_falls(scales: list[float | None], known: bool) -> bool:
     """No loss-scale backoff within ``scales``: all None, or all known and not
     decreasing, with some scale known before (the run's first against the
@@ -776,26 +788,10 @@ class Summariser:
         if backoff or state.backoffs.length:
             self._backoff_best = state.backoffs.extend(backoff, step, rank, self._backoff_best)
         state.scale = scale
-        kept = self._scale
-        if kept is None:
-            self._scale = [scale, scale, scale, scale]
-            return
-        kept[1] = scale
-        if scale < kept[2]:
-            kept[2] = scale
-        elif scale > kept[3]:
-            kept[3] = scale
+        self._scale = _span_seen(self._scale, scale)
 
     def _lr_seen(self, lr: float) -> None:
-        kept = self._lr
-        if kept is None:
-            self._lr = [lr, lr, lr, lr]
-            return
-        kept[1] = lr
-        if lr < kept[2]:
-            kept[2] = lr
-        elif lr > kept[3]:
-            kept[3] = lr
+        self._lr = _span_seen(self._lr, lr)
 
     def _compute_seen(self, record: TelemetryRecord) -> float | None:
         """The record's compute headroom (the least of its output and sampled

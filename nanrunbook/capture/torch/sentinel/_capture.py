@@ -30,6 +30,7 @@ from nanrunbook.capture.torch.replay import (
     topology_binding,
 )
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
+from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.report import Report
@@ -226,15 +227,9 @@ def capture_step(
         given = stated_binding(facts, record.number, recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
-        target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        report = replayed.writer.write_checked(target)
-    except EvidenceRejected as error:
-        log.error("step %d: the captured evidence was refused: %s", record.number, error)
-        return Captured(None, None, f"evidence refused: {error}")
+        target, report = write_incident(replayed.writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
-        log.exception("step %d: capture failed", record.number)
-        return Captured(None, None, f"{type(error).__name__}: {error}")
+        return capture_failed(record.number, error)
     log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
         log.error("step %d: %s", record.number, note)
@@ -269,6 +264,31 @@ def capture_step(
     )
     written, capsule_error = write_held_capsule(target, held)
     return Captured(target, report, None, tuple(notes), reproduced, written, capsule_error)
+
+
+def write_incident(
+    writer: BundleWriter,
+    facts: LoopFacts,
+    step: int,
+    root: Path,
+    rank: int | None,
+    attempt: int | None,
+) -> tuple[Path, Report]:
+    """Write and check step ``step``'s bundle at its place below the incident
+    directory ``root``: where it is and its report."""
+    target = incident_bundle_path(root, facts.run_id, step, rank, attempt)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target, writer.write_checked(target)
+
+
+def capture_failed(step: int, error: Exception) -> Captured:
+    """The capture of step ``step`` raised ``error`` (called in its ``except``):
+    logged, and the hold stands without a bundle."""
+    if isinstance(error, EvidenceRejected):
+        log.error("step %d: the captured evidence was refused: %s", step, error)
+        return Captured(None, None, f"evidence refused: {error}")
+    log.exception("step %d: capture failed", step)
+    return Captured(None, None, f"{type(error).__name__}: {error}")
 
 
 def held_line(step: int, target: Path, report: Report, *, peer: bool = False) -> str:

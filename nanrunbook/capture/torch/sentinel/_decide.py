@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,7 +32,7 @@ from nanrunbook.capture.telemetry import (
     norm_overflow_alerts,
 )
 from nanrunbook.capture.torch._convert import safetensors_dtype
-from nanrunbook.capture.torch.sentinel._capture import StepObjects, capture_step
+from nanrunbook.capture.torch.sentinel._capture import Captured, StepObjects, capture_step
 from nanrunbook.capture.torch.sentinel._checks import (
     Counted,
     Readout,
@@ -165,22 +166,38 @@ class Decisions:
         forward = Buffers(self.model)
         step.buffers.restore()
         try:
-            captured = capture_step(
-                self.objects,
-                self.facts,
+            captured = self._capture_with(
+                capture_step,
                 step,
-                self.last_known_good,
-                self.incident_dir,
-                self.ranks.member,
                 None,
-                self._topology(),
-                recovery={"last_known_good_recovery": self.last_known_good_recovery},
                 capsule=False,  # the step goes on: no held state to keep
             )
         finally:
             forward.restore()  # and whatever the replay's compute_loss touched is undone
         if captured.bundle is not None:
             self.captured[step.number] = captured.bundle
+
+    def _capture_with(
+        self,
+        capture: Callable[..., Captured],
+        step: StepRecord,
+        attempt: int | None,
+        **options: Any,
+    ) -> Captured:
+        """``capture`` (``capture_step`` or the sharded one) of ``step`` into this
+        run's incident directory as this rank, with the recovery detail."""
+        return capture(
+            self.objects,
+            self.facts,
+            step,
+            self.last_known_good,
+            self.incident_dir,
+            self.ranks.member,
+            attempt,
+            self._topology(),
+            recovery={"last_known_good_recovery": self.last_known_good_recovery},
+            **options,
+        )
 
     def _fail(
         self,
@@ -478,18 +495,12 @@ class Decisions:
                     *args, **kwargs, own_gradients=lambda: step.grads.local_finite
                 )
 
-        captured = capture(
-            self.objects,
-            self.facts,
+        captured = self._capture_with(
+            capture,
             step,
-            self.last_known_good,
-            self.incident_dir,
-            self.ranks.member,
             attempt if several else None,
-            self._topology(),
             peer=stage is None,  # only another rank's outcome names no stage
             policy="rerun" if rerun else "hold",
-            recovery={"last_known_good_recovery": self.last_known_good_recovery},
         )
         step.buffers.restore()  # whatever the replay's compute_loss touched
         report = captured.report

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from nanrunbook.capture.facts import LoopFacts
-from nanrunbook.capture.incident import incident_bundle_path
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
 from nanrunbook.capture.torch.replay import (
@@ -49,13 +48,14 @@ from nanrunbook.capture.torch.replay import (
 from nanrunbook.capture.torch.sentinel._capture import (
     Captured,
     StepObjects,
+    capture_failed,
     held_line,
     stated_binding,
+    write_incident,
 )
 from nanrunbook.capture.torch.sentinel._shards import is_dtensor, local
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
 from nanrunbook.capture.writer import BundleWriter
-from nanrunbook.errors import EvidenceRejected
 
 __all__ = [
     "ELEMENTWISE",
@@ -502,14 +502,8 @@ def capture_sharded_step(
             " the live gradient shards (clipped as the loop's clip_grad_norm_ would): state"
             " after, and the update it applied",
         )
-        target = incident_bundle_path(root, facts.run_id, record.number, rank, attempt)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        report = writer.write_checked(target)
-    except EvidenceRejected as error:
-        log.error("step %d: the captured evidence was refused: %s", record.number, error)
-        return Captured(None, None, f"evidence refused: {error}")
+        target, report = write_incident(writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
-        log.exception("step %d: capture failed", record.number)
-        return Captured(None, None, f"{type(error).__name__}: {error}")
+        return capture_failed(record.number, error)
     log.error("%s", held_line(record.number, target, report, peer=peer))
     return Captured(target, report, None, tuple(notes))
