@@ -87,10 +87,11 @@ def emitted_codes() -> set[str]:
                 first = node.args[0] if node.args else None
                 if isinstance(first, ast.Constant) and isinstance(first.value, str):
                     codes.add(first.value)
-    # The divergence warnings' codes have one home, shared with watch.
+    # The divergence and headroom warnings' codes have one home, shared with watch.
     from nanrunbook.telemetry._early import SIGNALS
+    from nanrunbook.telemetry.record import HEADROOM_CODES
 
-    return codes | {code for code, _ in SIGNALS.values()}
+    return codes | {code for code, _ in SIGNALS.values()} | set(HEADROOM_CODES)
 
 
 def test_the_documented_warning_codes_are_the_emitted_ones() -> None:

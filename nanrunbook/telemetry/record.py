@@ -57,6 +57,7 @@ from nanrunbook.dtypes import DTYPES
 
 __all__ = [
     "COMMON_LINE",
+    "HEADROOM_CODES",
     "HEADROOM_SOURCES",
     "LOSS_CLASSES",
     "TELEMETRY_FORMAT",
@@ -71,6 +72,7 @@ __all__ = [
     "UpdateStats",
     "common_line",
     "headroom_bits",
+    "headroom_code",
     "loss_fields",
     "parse_record",
     "record_document",
@@ -230,14 +232,19 @@ def headroom_bits(max_abs: float | None, dtype: str | None) -> float | None:
     return max(0.0, math.log2(known.max_finite / max_abs))
 
 
+# The warnings a headroom earns, at none and below NEAR_MAX_BITS.
+HEADROOM_CODES = ("AT_DTYPE_MAX", "NEAR_DTYPE_MAX")
+
+
 def headroom_code(bits: float | None) -> str | None:
     """The warning a headroom earns: AT_DTYPE_MAX at none, NEAR_DTYPE_MAX below
     the contract's NEAR_MAX_BITS, else None (and None for an unknown headroom)."""
+    at_max, near_max = HEADROOM_CODES
     if bits is None:
         return None
     if bits <= 0:
-        return "AT_DTYPE_MAX"
-    return "NEAR_DTYPE_MAX" if bits < NEAR_MAX_BITS else None
+        return at_max
+    return near_max if bits < NEAR_MAX_BITS else None
 
 
 def record_document(record: TelemetryRecord) -> dict[str, Any]:
