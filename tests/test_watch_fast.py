@@ -276,6 +276,23 @@ def test_the_real_runs_summarise_the_same_both_ways(runs: dict[str, Path]) -> No
         assert summarise_file(runs[run], window=8) == _strictly(runs[run], None, 8), run
 
 
+def _summarised_counting_runs(path: Path) -> tuple[WatchSummary, int]:
+    """The file summarised, and how many runs of lines the fast way took whole."""
+    calls = {"runs": 0}
+    original = Summariser.add_lines
+
+    def counted(self: Summariser, run: Any, raw: bytes) -> bool:
+        taken = original(self, run, raw)
+        calls["runs"] += taken
+        return taken
+
+    Summariser.add_lines = counted  # type: ignore[method-assign]
+    try:
+        return summarise_file(path), calls["runs"]
+    finally:
+        Summariser.add_lines = original  # type: ignore[method-assign]
+
+
 def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
     tmp_path: Path,
 ) -> None:
@@ -293,20 +310,8 @@ def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
         lines.append(orjson.dumps(document))
     path = tmp_path / "falling.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    calls = {"runs": 0}
-    original = Summariser.add_lines
-
-    def counted(self: Summariser, run: Any, raw: bytes) -> bool:
-        taken = original(self, run, raw)
-        calls["runs"] += taken
-        return taken
-
-    Summariser.add_lines = counted  # type: ignore[method-assign]
-    try:
-        fast = summarise_file(path)
-    finally:
-        Summariser.add_lines = original  # type: ignore[method-assign]
-    assert calls["runs"] >= 1
+    fast, runs_taken = _summarised_counting_runs(path)
+    assert runs_taken >= 1
     assert fast == _strictly(path, None, 50)
     codes = {w.code: w for w in fast.warnings}
     assert 9_000 < codes["HEADROOM_FALLING"].first_step < 9_080
@@ -336,20 +341,8 @@ def test_a_plain_float16_run_with_its_lr_goes_the_run_way_and_keeps_both(
         lines.append(orjson.dumps(document))
     path = tmp_path / "fp16.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    calls = {"runs": 0}
-    original = Summariser.add_lines
-
-    def counted(self: Summariser, run: Any, raw: bytes) -> bool:
-        taken = original(self, run, raw)
-        calls["runs"] += taken
-        return taken
-
-    Summariser.add_lines = counted  # type: ignore[method-assign]
-    try:
-        fast = summarise_file(path)
-    finally:
-        Summariser.add_lines = original  # type: ignore[method-assign]
-    assert calls["runs"] >= 1
+    fast, runs_taken = _summarised_counting_runs(path)
+    assert runs_taken >= 1
     assert fast == _strictly(path, None, 50)
     assert fast.learning_rate is not None and fast.learning_rate.max == pytest.approx(5e-3)
     compute = fast.compute_headroom
