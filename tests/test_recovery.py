@@ -77,14 +77,10 @@ class Run:
 
     def parts(self) -> dict[str, Any]:
         """What a recovery point saves and restores of this run."""
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "data": self.loader,
-            "generators": [self.noise],
+        objects = {
+            name: getattr(self, name) for name in ("model", "optimizer", "scheduler", "scaler")
         }
+        return {**objects, "data": self.loader, "generators": [self.noise]}
 
     def save(self, path: Path, step: int) -> Any:
         return save_recovery_point(path, **self.parts(), step=step, run_id="run-28")
