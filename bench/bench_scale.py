@@ -64,13 +64,14 @@ def _member(target: Path, rank: int, world_size: int) -> None:
 
     from nanrunbook.capture import BundleWriter
 
+    binding = _binding(rank, world_size)
     writer = BundleWriter(
         run_id=RUN,
         step=STEP,
         incident_owner="ml-oncall",
-        binding=_binding(rank, world_size),
+        binding=binding,
         last_known_good={
-            "checkpoint_id": "ckpt-9000",
+            "checkpoint_id": binding["checkpoint"]["id"],
             "step": STEP - 1,
             "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
         },
