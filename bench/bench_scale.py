@@ -35,33 +35,26 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT)]
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]
 
 from bench_check import Command, nanrunbook_argv, run_rounds, tree_env  # noqa: E402
+from fixtures_support import binding  # noqa: E402
 
-LAYOUT_VERSION = 1  # bump when the generated sets change
+LAYOUT_VERSION = 2  # bump when the generated sets change
 RUN, STEP = "run-scale", 9042
 
 
 def _binding(rank: int, world_size: int) -> dict[str, Any]:
+    """The tests' binding, as rank ``rank`` of ``world_size`` states it at STEP."""
     return {
-        "model": {"id": "model-scale"},
-        "checkpoint": {"id": "ckpt-9000"},
-        "data": {"id": "data-scale"},
+        **binding(),
         "batch": {"id": f"batch-{STEP}.rank-{rank}"},
         "loader_cursor": {"id": f"cursor-{STEP}"},
-        "objective": {"id": "objective-xent", "reduction": "mean"},
-        "optimizer": {"id": "adamw"},
-        "scheduler": {"id": "constant-lr"},
-        "scaler": {"id": "no-loss-scaling", "mode": "none", "scale": 1},
-        "random_state": {"id": "seed-1234"},
-        "environment": {"id": "env-cpu"},
         "topology": {
             "id": f"world-{world_size}.rank-{rank}",
             "world_size": world_size,
             "rank": rank,
         },
-        "precision": {"id": "params-F32.compute-F32", "param_dtype": "F32", "compute_dtype": "F32"},
     }
 
 
@@ -71,13 +64,14 @@ def _member(target: Path, rank: int, world_size: int) -> None:
 
     from nanrunbook.capture import BundleWriter
 
+    binding = _binding(rank, world_size)
     writer = BundleWriter(
         run_id=RUN,
         step=STEP,
         incident_owner="ml-oncall",
-        binding=_binding(rank, world_size),
+        binding=binding,
         last_known_good={
-            "checkpoint_id": "ckpt-9000",
+            "checkpoint_id": binding["checkpoint"]["id"],
             "step": STEP - 1,
             "verified_together": ["model", "optimizer", "scheduler", "scaler", "data_position"],
         },

@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import warning_runs
@@ -36,20 +34,10 @@ import warning_runs
 from nanrunbook.telemetry import summarise_file
 
 
-def _stripped(path: Path) -> Path:
-    """The lines with their warnings taken off (an older sentinel's file)."""
-    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
-    for line in lines:
-        line["warnings"] = []
-    out = path.with_name("stripped.jsonl")
-    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
-    return out
-
-
 def watch_first(path: Path, strip: bool) -> int | None:
     """The first warning step ``watch`` reports (optionally on the lines with
     their warnings taken off)."""
-    return summarise_file(_stripped(path) if strip else path).first_warning_step
+    return summarise_file(warning_runs.stripped(path) if strip else path).first_warning_step
 
 
 def main() -> int:
@@ -82,7 +70,7 @@ def main() -> int:
             if periodic:
                 cycled = 2 * warning_runs.PERIOD
                 false = sum(1 for w in every if w[0] > cycled)
-                derived = summarise_file(_stripped(outcome.telemetry)).warnings
+                derived = summarise_file(warning_runs.stripped(outcome.telemetry)).warnings
                 older = max((w.last_step for w in derived), default=None)  # its last one
             shown = f"{first[1]}: {first[2][:70]}" if first else (every[0][1] if every else "-")
             print(

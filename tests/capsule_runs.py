@@ -20,6 +20,7 @@ from sentinel_support import (
     Regressor,
     drifting_batch,
     facts,
+    fp16_scaled_step,
     mse,
     quiet_thresholds,
     regression_batch,
@@ -138,13 +139,13 @@ def train(kind: str, root: Path, steps: int = 100) -> SentinelHold:
                     p.grad.div_(2.0**12)
                 optimizer.step()
             elif kind == "fp16":
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = sentinel.forward(drifting_batch(i, drift_from=0))
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                sentinel.clip_grad_norm_(model.parameters(), 5.0)
-                scaler.step(optimizer)
-                scaler.update()
+                fp16_scaled_step(
+                    sentinel,
+                    model,
+                    optimizer,
+                    scaler,
+                    functools.partial(drifting_batch, i, drift_from=0),
+                )
             else:
                 g = torch.Generator().manual_seed(i)
                 batch = {

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sentinel_support import HostSyncs, facts, regression_batch
+from sentinel_support import HostSyncs, facts, hold_facts, regression_batch
 from torch import nn
 
 from nanrunbook.capture.torch import Sentinel, SentinelHold, Thresholds
@@ -167,11 +167,8 @@ def _run(
     result = {
         "host_syncs": dict(syncs.kinds),
         "steps": steps,
-        "held": hold.step if hold else None,
-        "bundle": str(hold.bundle) if hold and hold.bundle else None,
-        "reason": hold.reason if hold else None,
+        **hold_facts(hold),
         "capture_error": hold.capture_error if hold else None,
-        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
         # The state before the held step (an update is found at the next step).
         "untouched": bool(hold) and after == before[hold.step if hold else steps],
         "changed": sorted(

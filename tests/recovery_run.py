@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import sentinel_support
 import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -22,7 +23,6 @@ SPIKE = 8  # the step that blows up
 BATCH = 8
 STEPS = 20
 RUN_ID = "prove-run"
-PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 
 
 class Rare(nn.Module):
@@ -68,14 +68,10 @@ def build() -> dict[str, Any]:
 
 
 def facts(tmp: Path) -> dict[str, Any]:
-    return {
-        "run_id": RUN_ID,
-        "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
-        "data": {"id": "rare-feature"},
-        "objective": {"id": "l1", "reduction": "sum"},
-        "incident_dir": tmp / "incident",
-        "snapshot": True,
-    }
+    objective = {"id": "l1", "reduction": "sum"}
+    return sentinel_support.facts(
+        RUN_ID, tmp, data={"id": "rare-feature"}, objective=objective, snapshot=True
+    )
 
 
 def run_original(tmp: Path, every: int = 3) -> tuple[Any, Path]:

@@ -24,16 +24,18 @@ from nanrunbook.contract import STAGE_ORDER
 PARTS = ["model", "optimizer", "scheduler", "scaler", "data_position"]
 
 
-def facts(run_id: str, tmp: Path, **more: Any) -> dict[str, Any]:
-    """The loop's own statement, and where the sentinel writes."""
-    return {
+def facts(run_id: str, tmp: Path | None, **more: Any) -> dict[str, Any]:
+    """The loop's own statement, and where the sentinel writes: ``tmp``'s
+    incident/ (None: where a framework's adapter puts it)."""
+    stated: dict[str, Any] = {
         "run_id": run_id,
         "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
         "data": {"id": "synthetic"},
         "objective": {"id": "objective", "reduction": "mean"},
-        "incident_dir": tmp / "incident",
-        **more,
     }
+    if tmp is not None:
+        stated["incident_dir"] = tmp / "incident"
+    return {**stated, **more}
 
 
 def bits(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -208,6 +210,23 @@ def drifting_batch(step: int, drift_from: int) -> dict[str, torch.Tensor]:
 
 def xent(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def fp16_scaled_step(
+    sentinel: Sentinel, model: nn.Module, optimizer: Any, scaler: Any, batch: Callable[[], Any]
+) -> torch.Tensor:
+    """One float16-autocast step under a dynamic GradScaler: the batch made and
+    the forward run under autocast (its labels come from a float16 matmul), the
+    scaled backward, the unscaled gradients clipped to norm 5, the scaler's
+    step and update."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = sentinel.forward(batch())
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    sentinel.clip_grad_norm_(model.parameters(), 5.0)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
 
 
 def quiet_thresholds(**changes: Any) -> Thresholds:
@@ -530,6 +549,16 @@ def case_worker(rank: int, world: int, tmp: str, case: RankCase) -> None:
     (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
 
 
+def hold_facts(hold: SentinelHold | None) -> dict[str, Any]:
+    """What a rank's worker reports of the hold it met (each None without one)."""
+    return {
+        "held": hold.step if hold else None,
+        "bundle": str(hold.bundle) if hold and hold.bundle else None,
+        "reason": hold.reason if hold else None,
+        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
+    }
+
+
 def _digest(net: nn.Module) -> list[Any]:
     return [list(p.detach().reshape(-1).tolist()) for p in net.parameters()]
 
@@ -635,11 +664,8 @@ def _case_loop(rank: int, world: int, tmp: Path, case: RankCase) -> dict[str, An
         step()
     return {
         "steps": steps,
-        "held": hold.step if hold else None,
-        "bundle": str(hold.bundle) if hold and hold.bundle else None,
-        "reason": hold.reason if hold else None,
+        **hold_facts(hold),
         "contaminated": hold.contaminated if hold else None,
-        "origin": list(hold.origin_ranks) if hold and hold.origin_ranks is not None else None,
         "error": error,
         "before_fault": before_fault,
         "plain_before_fault": _digest(plain),

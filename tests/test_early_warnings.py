@@ -22,16 +22,6 @@ HEALTHY = [n for n, (diverging, _) in warning_runs.RUNS.items() if not diverging
 DERIVED = {"LOSS_DIVERGENCE", "GRAD_NORM_DIVERGENCE", "WEIGHT_NORM_GROWTH", "NEAR_DTYPE_MAX"}
 
 
-def stripped(path: Path) -> Path:
-    """The telemetry as an older sentinel wrote it: no warning on any line."""
-    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
-    for line in lines:
-        line["warnings"] = []
-    out = path.with_name("older.jsonl")
-    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
-    return out
-
-
 @pytest.mark.parametrize("name", DIVERGING)
 def test_a_diverging_run_warns_by_a_step_after_its_onset(name: str, tmp_path: Path) -> None:
     outcome = warning_runs.run(name, tmp_path)
@@ -50,7 +40,7 @@ def test_a_diverging_run_warns_by_a_step_after_its_onset(name: str, tmp_path: Pa
     assert outcome.telemetry is not None
     watched = summarise_file(outcome.telemetry)
     assert watched.first_warning_step is not None and watched.first_warning_step <= onset + 1
-    older = summarise_file(stripped(outcome.telemetry))
+    older = summarise_file(warning_runs.stripped(outcome.telemetry))
     derived = [w for w in older.warnings if w.source == "watch" and w.code in DERIVED]
     assert derived and min(w.first_step for w in derived) <= onset + 1
 
@@ -64,7 +54,7 @@ def test_a_healthy_run_gets_no_warning(name: str, tmp_path: Path) -> None:
     lines = outcome.lines()
     assert all(line["weight_norm"] is not None for line in lines if line["update"] is not None)
     assert summarise_file(outcome.telemetry).warnings == ()
-    assert summarise_file(stripped(outcome.telemetry)).warnings == ()
+    assert summarise_file(warning_runs.stripped(outcome.telemetry)).warnings == ()
 
 
 def test_the_probing_run_really_probes_and_the_output_is_read_every_step(
@@ -80,7 +70,7 @@ def test_watch_fast_path_derives_what_record_by_record_does(tmp_path: Path) -> N
 
     outcome = warning_runs.run("weight_growth", tmp_path)
     assert outcome.telemetry is not None
-    older = stripped(outcome.telemetry)
+    older = warning_runs.stripped(outcome.telemetry)
     fast = summarise_file(older)
     slow = Summariser(str(older))
     for raw in older.read_bytes().splitlines():
@@ -163,7 +153,7 @@ def test_a_healthy_periodic_run_is_quiet_once_it_has_cycled(tmp_path: Path) -> N
     late = [(s, c) for s, c, _ in outcome.warnings() if s > 2 * warning_runs.PERIOD]
     assert late == [] and outcome.first_nonfinite is None
     assert outcome.telemetry is not None
-    summary = summarise_file(stripped(outcome.telemetry))
+    summary = summarise_file(warning_runs.stripped(outcome.telemetry))
     assert all(w.last_step <= 2 * warning_runs.PERIOD for w in summary.warnings), summary.warnings
 
 

@@ -13,10 +13,16 @@ import pytest
 from setkit import make_set
 from test_incident_set import CASES, _member_reports, build, kv
 
-from nanrunbook import check_incident_set, merge_reports
+from nanrunbook import IncidentSet, check_incident_set, merge_reports
 from nanrunbook.cli import app
 from nanrunbook.output.json import JsonRenderer
 from nanrunbook.output.text import TextRenderer
+
+
+def _text(result: IncidentSet) -> str:
+    out = io.StringIO()
+    TextRenderer().incident_set(result, out)
+    return out.getvalue()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -25,12 +31,7 @@ def test_a_streamed_merge_answers_as_one_that_keeps_the_reports(name: str, tmp_p
     reports = _member_reports(root, tmp_path / "reports")
     kept, streamed = merge_reports(reports), merge_reports(reports, keep_reports=False)
     assert kv(streamed) == kv(kept) == expected
-    texts = []
-    for result in (kept, streamed):
-        out = io.StringIO()
-        TextRenderer().incident_set(result, out)
-        texts.append(out.getvalue())
-    assert texts[0] == texts[1]
+    assert _text(streamed) == _text(kept)
 
 
 def _peak(reports: list[Path], keep: bool) -> int:
@@ -90,12 +91,7 @@ def test_a_set_checked_without_its_reports_answers_as_with_them(name: str, tmp_p
     root, expected = build(name, tmp_path)
     kept, streamed = check_incident_set(root), check_incident_set(root, keep_reports=False)
     assert kv(streamed) == kv(kept) == expected
-    texts = []
-    for result in (kept, streamed):
-        out = io.StringIO()
-        TextRenderer().incident_set(result, out)
-        texts.append(out.getvalue())
-    assert texts[0] == texts[1]
+    assert _text(streamed) == _text(kept)
 
 
 def _check_peak(root: Path, keep: bool) -> int:

@@ -4,7 +4,6 @@ killed mid-save, none of which is ever taken as the last known-good state."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import orjson
 import pytest
 import torch
 from sentinel_support import Regressor, facts, mse, regression_batch, state_bits
+from state_dir_support import relist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nanrunbook import check_bundle
@@ -75,29 +75,18 @@ class Run:
         self.scaler.update()
         self.scheduler.step()
 
+    def parts(self) -> dict[str, Any]:
+        """What a recovery point saves and restores of this run."""
+        objects = {
+            name: getattr(self, name) for name in ("model", "optimizer", "scheduler", "scaler")
+        }
+        return {**objects, "data": self.loader, "generators": [self.noise]}
+
     def save(self, path: Path, step: int) -> Any:
-        return save_recovery_point(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            data=self.loader,
-            step=step,
-            run_id="run-28",
-            generators=[self.noise],
-        )
+        return save_recovery_point(path, **self.parts(), step=step, run_id="run-28")
 
     def load(self, path: Path) -> Any:
-        loaded = load_recovery_point(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            data=self.loader,
-            generators=[self.noise],
-        )
+        loaded = load_recovery_point(path, **self.parts())
         self.batches = iter(self.loader)
         return loaded
 
@@ -107,21 +96,6 @@ class Run:
 
 def _codes(path: Path) -> list[str]:
     return sorted(v.code for v in verify_recovery_point(path).violations)
-
-
-def _relist(point: Path, edit: Any = None) -> None:
-    """Rewrite the manifest as a forger would, with digests that match the files."""
-    manifest = orjson.loads((point / "manifest.json").read_bytes())
-    for name in list(manifest["files"]):
-        if (point / name).is_file():
-            data = (point / name).read_bytes()
-            manifest["files"][name] = {
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "size": len(data),
-            }
-    if edit is not None:
-        edit(manifest)
-    (point / "manifest.json").write_bytes(orjson.dumps(manifest))
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +189,7 @@ def test_a_missing_part_fails_verify_and_load(reference: dict[str, Any], tmp_pat
         manifest["files"].pop("scaler.json")
         manifest["header"]["parts"].pop("scaler")
 
-    _relist(forged, drop)
+    relist(forged, drop)
     assert _codes(forged) == ["RECOVERY_PART_MISSING"]
     with pytest.raises(StateDirRejected) as info:
         Run(2).load(forged)
@@ -238,9 +212,9 @@ def test_parts_of_other_steps_and_no_rng_are_refused(
         manifest["header"]["parts"]["model"]["step"] = 2
         del manifest["header"]["torch_version"]
 
-    _relist(point, garble)
+    relist(point, garble)
     assert _codes(point) == ["RECOVERY_HEADER_INVALID"]
-    _relist(point, lambda m: m["header"].update(torch_version="2.13.0"))
+    relist(point, lambda m: m["header"].update(torch_version="2.13.0"))
     assert _codes(point) == [
         "RECOVERY_RNG_MISSING",
         "RECOVERY_STEP_MISMATCH",

@@ -9,22 +9,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import sentinel_support as support
 import torch
-from sentinel_support import (
-    Regressor,
-    Sentinel,
-    facts,
-    mse,
-    params_finite,
-    quiet_thresholds,
-    regression_batch,
-    run_loop,
-    state_bits,
-    telemetry,
-)
 from torch import nn
 
 from nanrunbook.capture.incident import Reproduction
+from nanrunbook.capture.torch import Sentinel
 
 HELD = 3
 
@@ -46,7 +36,7 @@ def flip_once(module: nn.Module, at_call: int) -> list[int]:
 
 
 def nan_batch(step: int) -> dict[str, torch.Tensor]:
-    batch = regression_batch(step)
+    batch = support.regression_batch(step)
     if step == HELD:
         batch["x"][2, 1] = float("nan")
     return batch
@@ -54,14 +44,13 @@ def nan_batch(step: int) -> dict[str, torch.Tensor]:
 
 def train(tmp: Path, run_id: str, batches: Any, steps: int = 5, **options: Any) -> Any:
     torch.manual_seed(0)
-    model = Regressor()
+    model = support.Regressor()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     hooked = options.pop("hook", None)
     if hooked is not None:
         flip_once(model.body[0], hooked)
-    sentinel = Sentinel(
-        model, optimizer, mse, thresholds=quiet_thresholds(), **facts(run_id, tmp), **options
-    )
+    stated = support.facts(run_id, tmp, thresholds=support.quiet_thresholds(), **options)
+    sentinel = Sentinel(model, optimizer, support.mse, **stated)
 
     def step(i: int) -> Any:
         optimizer.zero_grad()
@@ -70,7 +59,7 @@ def train(tmp: Path, run_id: str, batches: Any, steps: int = 5, **options: Any) 
         optimizer.step()
         return loss
 
-    ran = run_loop(step, steps, lambda: state_bits(model, optimizer))
+    ran = support.run_loop(step, steps, lambda: support.state_bits(model, optimizer))
     sentinel.close()
     return ran, model, optimizer
 
@@ -87,13 +76,13 @@ def test_a_nan_in_the_data_comes_back_on_the_replay(tmp_path: Path) -> None:
     assert reproduced.host == socket.gethostname() and reproduced.device == "cpu"
     assert reproduced.rank is None and reproduced.policy == "hold"
     assert "REPRODUCED on host" in str(hold)
-    [line] = [line for line in telemetry(tmp_path, "data-nan") if line["held"]]
+    [line] = [line for line in support.telemetry(tmp_path, "data-nan") if line["held"]]
     assert line["reproduced"] == "REPRODUCED"
 
 
 def test_a_bit_flip_only_the_live_step_saw_is_not_reproduced(tmp_path: Path) -> None:
     # Call 3 of the first layer is the live forward of step 3.
-    ran, model, _ = train(tmp_path, "flip", regression_batch, hook=HELD)
+    ran, model, _ = train(tmp_path, "flip", support.regression_batch, hook=HELD)
     hold = ran.hold
     assert hold is not None and hold.step == HELD
     reproduced = hold.reproduced
@@ -105,16 +94,16 @@ def test_a_bit_flip_only_the_live_step_saw_is_not_reproduced(tmp_path: Path) -> 
     assert reproduced.line().startswith(
         f"NOT_REPRODUCED on host {socket.gethostname()}, device cpu:"
     )
-    assert params_finite(model)
-    lines = telemetry(tmp_path, "flip")
+    assert support.params_finite(model)
+    lines = support.telemetry(tmp_path, "flip")
     assert [line["reproduced"] for line in lines] == [None, None, "NOT_REPRODUCED"]
 
 
 def test_rerun_skips_a_transient_fault_and_goes_on(tmp_path: Path) -> None:
-    ran, model, _ = train(tmp_path, "rerun", regression_batch, hook=HELD, transient="rerun")
+    ran, model, _ = train(tmp_path, "rerun", support.regression_batch, hook=HELD, transient="rerun")
     assert ran.hold is None and ran.steps == 5  # the run went on
-    assert params_finite(model)
-    lines = telemetry(tmp_path, "rerun")
+    assert support.params_finite(model)
+    lines = support.telemetry(tmp_path, "rerun")
     skipped = lines[HELD - 1]
     assert skipped["skipped"] and not skipped["held"] and skipped["update"] is None
     assert skipped["reproduced"] == "NOT_REPRODUCED" and skipped["bundle"]
@@ -137,16 +126,16 @@ def test_a_not_reproduced_incident_replays_from_its_capsule_as_its_bundle(tmp_pa
     process's replay said it: the incident bundle again, bit for bit."""
     from nanrunbook.capture.torch import Capsule
 
-    ran, _, _ = train(tmp_path, "flip-capsule", regression_batch, hook=HELD)
+    ran, _, _ = train(tmp_path, "flip-capsule", support.regression_batch, hook=HELD)
     hold = ran.hold
     assert hold is not None and hold.capsule is not None
     capsule = Capsule.open(hold.capsule)
     assert capsule.reproduced == hold.reproduced and capsule.reproduced.verdict == "NOT_REPRODUCED"
 
     def build() -> dict[str, Any]:
-        model = Regressor()
+        model = support.Regressor()
         return {"model": model, "optimizer": torch.optim.Adam(model.parameters()),
-                "compute_loss": mse}  # fmt: skip
+                "compute_loss": support.mse}  # fmt: skip
 
     report = capsule.replay(build, out=tmp_path / "again")
     assert report.manifest.evidence_content_id == hold.report.manifest.evidence_content_id

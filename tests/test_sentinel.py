@@ -31,6 +31,7 @@ from sentinel_support import (
     telemetry,
     xent,
 )
+from test_sentinel_telemetry import APPENDED_KEYS
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -530,12 +531,7 @@ def test_telemetry_line_shape(tmp_path: Path) -> None:
         "held",
         "warnings",
         "bundle",
-        "activations",
-        "lr",
-        "grad_headroom_from",
-        "weight_norm",
-        "output",
-        "reproduced",
+        *APPENDED_KEYS,
     ]
     assert line["format"] == TELEMETRY_FORMAT == "nanrunbook-telemetry/1"
     assert (line["run_id"], line["rank"], line["world_size"], line["step"]) == ("shape", 0, 1, 5)

@@ -5,6 +5,7 @@ a telemetry line for every step, and (for the blow-ups) a warning first."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from sentinel_support import (
     bundles,
     drifting_batch,
     facts,
+    fp16_scaled_step,
     mse,
     params_finite,
     quiet_thresholds,
@@ -121,14 +123,9 @@ def test_fp16_overflow_under_a_dynamic_gradscaler_holds_at_the_forward(tmp_path:
 
     def step(i: int) -> Any:
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = sentinel.forward(drifting_batch(i, drift_from=20))
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        sentinel.clip_grad_norm_(model.parameters(), 5.0)
-        scaler.step(optimizer)
-        scaler.update()
-        return loss
+        return fp16_scaled_step(
+            sentinel, model, optimizer, scaler, partial(drifting_batch, i, drift_from=20)
+        )
 
     state = lambda: state_bits(model, optimizer, scaler=scaler)  # noqa: E731
     ran = run_loop(step, 100, state)

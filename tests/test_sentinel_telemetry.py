@@ -31,6 +31,9 @@ from nanrunbook.telemetry.record import (
     record_line,
 )
 
+# The fields appended to the line after its fixed shape, in the order they were added.
+APPENDED_KEYS = ["activations", "lr", "grad_headroom_from", "weight_norm", "output", "reproduced"]
+
 
 def test_a_spike_is_judged_against_a_sliding_median_not_an_early_maximum() -> None:
     """A norm that drifts up 20x over 200 steps is not a spike (an early-maximum
@@ -121,7 +124,7 @@ def test_lines_carry_no_nan_and_are_whole(tmp_path: Path) -> None:
     assert last["step"] == 3 and last["warnings"][0]["code"] == "TELEMETRY_LINES_LOST"
 
 
-def _full_record() -> TelemetryRecord:
+def full_record() -> TelemetryRecord:
     """A record with every field of the line set, as the sentinel builds one."""
     return TelemetryRecord(
         run_id="run-1",
@@ -167,7 +170,7 @@ def test_the_line_is_the_one_the_sentinel_wrote_before() -> None:
         b'"output":{"max_abs":1000.0,"where":"output","dtype":"F16","headroom_bits":6.0,'
         b'"nonfinite":[]},"reproduced":"NOT_REPRODUCED"}\n'
     )
-    assert record_line(_full_record()) == expected
+    assert record_line(full_record()) == expected
 
 
 def test_a_record_round_trips_whole() -> None:
@@ -175,7 +178,7 @@ def test_a_record_round_trips_whole() -> None:
     and lr included (the reader used to drop both)."""
     import orjson
 
-    record = _full_record()
+    record = full_record()
     back = parse_record(orjson.loads(record_line(record)))
     assert back == record
     assert back.activations is not None and back.activations.where == "act/fc1"
@@ -189,7 +192,7 @@ def test_the_record_fields_are_the_line_keys_in_order() -> None:
 
     from nanrunbook.telemetry.record import record_document
 
-    document = record_document(_full_record())
+    document = record_document(full_record())
     assert list(document) == ["format", *(f.name for f in fields(TelemetryRecord))]
 
 
@@ -287,14 +290,7 @@ def test_every_sentinel_line_reads_back_with_the_watch_parser(
     assert {k: v for k, v in document.items() if k in fixed} == fixed
     # The appended fields: last on the line in the order they were added, read by
     # both parsers, one vocabulary.
-    assert list(document)[-6:] == [
-        "activations",
-        "lr",
-        "grad_headroom_from",
-        "weight_norm",
-        "output",
-        "reproduced",
-    ]
+    assert list(document)[-len(APPENDED_KEYS) :] == APPENDED_KEYS
     assert record.reproduced == document["reproduced"] == reproduced
     assert record.grad_headroom_from == headroom_from
     assert set(HEADROOM_SOURCES) == {"max_abs", "tensor_norm", "total_norm"}

@@ -5,7 +5,6 @@ through a restricted unpickler."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import pickle
@@ -17,6 +16,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from state_dir_support import relist
 
 from nanrunbook.capture import _state_manifest
 from nanrunbook.capture.torch import _state_dir
@@ -63,22 +63,6 @@ def written(tmp_path: Path) -> Path:
 def _codes(path: Path, **kwargs: Any) -> list[str]:
     _, violations = verify_state_dir(path, kind_format=KIND, **kwargs)
     return [violation.code for violation in violations]
-
-
-def _relist(point: Path, edit: Any = None) -> None:
-    """Rewrite the manifest as a forger would: digests that match the files."""
-    manifest = orjson.loads((point / "manifest.json").read_bytes())
-    for name in list(manifest["files"]):
-        full = point / name
-        if full.is_file() and not full.is_symlink():
-            data = full.read_bytes()
-            manifest["files"][name] = {
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "size": len(data),
-            }
-    if edit is not None:
-        edit(manifest)
-    (point / "manifest.json").write_bytes(orjson.dumps(manifest))
 
 
 def test_every_code_is_in_the_catalogue() -> None:
@@ -196,7 +180,7 @@ def test_a_path_that_is_not_a_directory(tmp_path: Path) -> None:
 
 def test_paths_outside_the_directory_are_unsafe(written: Path, tmp_path: Path) -> None:
     digest = {"sha256": "0" * 64, "size": 1}
-    _relist(written, lambda m: m["files"].update({"../outside": digest, "/etc/passwd": digest}))
+    relist(written, lambda m: m["files"].update({"../outside": digest, "/etc/passwd": digest}))
     assert _codes(written) == ["STATE_PATH_UNSAFE", "STATE_PATH_UNSAFE"]
 
 
@@ -228,7 +212,7 @@ def test_special_and_unreadable_files(written: Path, monkeypatch: pytest.MonkeyP
 
 def test_state_without_dcp_metadata(written: Path) -> None:
     (written / "state" / ".metadata").unlink()
-    _relist(written, lambda m: m["files"].pop("state/.metadata"))
+    relist(written, lambda m: m["files"].pop("state/.metadata"))
     assert _codes(written) == ["STATE_METADATA_MISSING"]
 
 
@@ -246,7 +230,7 @@ def test_a_hostile_metadata_pickle_is_refused_and_runs_nothing(
 ) -> None:
     marker = tmp_path / "ran"
     (written / "state" / ".metadata").write_bytes(pickle.dumps(_RunsACommand(marker), protocol))
-    _relist(written)  # the forger's digests match: only the pickle's contents betray it
+    relist(written)  # the forger's digests match: only the pickle's contents betray it
     assert _codes(written) == ["STATE_METADATA_REFUSED"]
     model, optimizer = _model_and_optimizer(0)
     with pytest.raises(StateDirRejected) as info:
@@ -278,7 +262,7 @@ def test_the_loaded_state_must_match_keys_shapes_and_dtypes(written: Path) -> No
 
 def test_a_document_that_is_not_strict_json(written: Path) -> None:
     (written / "cursor.json").write_bytes(b'{"batch": NaN}')
-    _relist(written)
+    relist(written)
     assert _codes(written) == []
     with pytest.raises(StateDirRejected) as info:
         load_state_dir(written, kind_format=KIND, state=None)

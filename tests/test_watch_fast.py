@@ -276,23 +276,20 @@ def test_the_real_runs_summarise_the_same_both_ways(runs: dict[str, Path]) -> No
         assert summarise_file(runs[run], window=8) == _strictly(runs[run], None, 8), run
 
 
-def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
-    tmp_path: Path,
-) -> None:
-    """9,080 steps, headroom steady then falling to the dtype's max: the runs
-    are counted at once where the trend cannot warn, line by line where it
-    might, and the HEADROOM_FALLING tally is the record-by-record one."""
-    rng = random.Random(5)
-    lines = []
-    for step in range(9_080):
-        document = _document(rng, step)
-        bits = 100.0 + rng.gauss(0, 0.5) if step < 9_000 else 100.0 - (step - 9_000)
-        document.update(loss=1.0, loss_class="finite", skipped=False, held=False, warnings=[],
-                        bundle=None, update=None, scale=1024.0)  # fmt: skip
-        document["grad"].update(nan=0, posinf=0, neginf=0, headroom_bits=bits, max_abs=1.0)
-        lines.append(orjson.dumps(document))
-    path = tmp_path / "falling.jsonl"
-    path.write_bytes(b"\n".join(lines) + b"\n")
+def _plain_document(rng: random.Random, step: int) -> dict[str, Any]:
+    """A plain step's line: finite, not held or skipped, no warning, no
+    update, its gradients finite with 100 bits of headroom."""
+    document = _document(rng, step)
+    document.update(loss=1.0, loss_class="finite", skipped=False, held=False, warnings=[],
+                    bundle=None, update=None, scale=1024.0)  # fmt: skip
+    document["grad"].update(nan=0, posinf=0, neginf=0, headroom_bits=100.0, max_abs=1.0)
+    return document
+
+
+def _fast_as_strictly(path: Path, documents: list[dict[str, Any]]) -> WatchSummary:
+    """The lines written to ``path`` and summarised: the fast way took at least
+    one run of them whole, and its summary is the record-by-record one."""
+    path.write_bytes(b"".join(orjson.dumps(document) + b"\n" for document in documents))
     calls = {"runs": 0}
     original = Summariser.add_lines
 
@@ -308,6 +305,23 @@ def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
         Summariser.add_lines = original  # type: ignore[method-assign]
     assert calls["runs"] >= 1
     assert fast == _strictly(path, None, 50)
+    return fast
+
+
+def test_a_long_plain_run_goes_the_run_way_and_a_falling_one_warns_the_same(
+    tmp_path: Path,
+) -> None:
+    """9,080 steps, headroom steady then falling to the dtype's max: the runs
+    are counted at once where the trend cannot warn, line by line where it
+    might, and the HEADROOM_FALLING tally is the record-by-record one."""
+    rng = random.Random(5)
+    documents = []
+    for step in range(9_080):
+        document = _plain_document(rng, step)
+        bits = 100.0 + rng.gauss(0, 0.5) if step < 9_000 else 100.0 - (step - 9_000)
+        document["grad"]["headroom_bits"] = bits
+        documents.append(document)
+    fast = _fast_as_strictly(tmp_path / "falling.jsonl", documents)
     codes = {w.code: w for w in fast.warnings}
     assert 9_000 < codes["HEADROOM_FALLING"].first_step < 9_080
     assert fast.headroom is not None and fast.headroom.direction == "falling"
@@ -321,36 +335,17 @@ def test_a_plain_float16_run_with_its_lr_goes_the_run_way_and_keeps_both(
     the lr range, the compute headroom and the series are the record-by-record
     ones."""
     rng = random.Random(7)
-    lines = []
+    documents = []
     for step in range(3_000):
-        document = _document(rng, step)
-        document.update(loss=1.0, loss_class="finite", skipped=False, held=False, warnings=[],
-                        bundle=None, update=None, scale=1024.0)  # fmt: skip
-        document["grad"].update(nan=0, posinf=0, neginf=0, headroom_bits=100.0, max_abs=1.0)
+        document = _plain_document(rng, step)
         document["lr"] = 1e-3 * (1 + (step // 100) % 5)
         bits = 12.0 - step / 300 + rng.gauss(0, 0.1)
         document["output"] = {
             "max_abs": 65504.0 / 2**bits, "where": "output", "dtype": "F16",
             "headroom_bits": bits, "nonfinite": [],
         }  # fmt: skip
-        lines.append(orjson.dumps(document))
-    path = tmp_path / "fp16.jsonl"
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    calls = {"runs": 0}
-    original = Summariser.add_lines
-
-    def counted(self: Summariser, run: Any, raw: bytes) -> bool:
-        taken = original(self, run, raw)
-        calls["runs"] += taken
-        return taken
-
-    Summariser.add_lines = counted  # type: ignore[method-assign]
-    try:
-        fast = summarise_file(path)
-    finally:
-        Summariser.add_lines = original  # type: ignore[method-assign]
-    assert calls["runs"] >= 1
-    assert fast == _strictly(path, None, 50)
+        documents.append(document)
+    fast = _fast_as_strictly(tmp_path / "fp16.jsonl", documents)
     assert fast.learning_rate is not None and fast.learning_rate.max == pytest.approx(5e-3)
     compute = fast.compute_headroom
     assert compute is not None and compute.dtype == "F16" and compute.step == 2_999

@@ -13,7 +13,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download, before transformers loads
 
 import torch
-from sentinel_support import PARTS, state_bits
+from sentinel_support import facts, state_bits
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from nanrunbook.capture.adapters.transformers import SentinelTrainer
@@ -90,12 +90,8 @@ def arguments(out: Path, **changes: Any) -> Any:
 
 
 def sentinel_facts(run_id: str) -> dict[str, Any]:
-    return {
-        "run_id": run_id,
-        "checkpoint": {"id": "init-seed-0", "verified_together": PARTS},
-        "data": {"id": "synthetic-tokens"},
-        "objective": {"id": "causal-lm-xent", "reduction": "mean"},
-    }
+    objective = {"id": "causal-lm-xent", "reduction": "mean"}
+    return facts(run_id, None, data={"id": "synthetic-tokens"}, objective=objective)
 
 
 def inner_optimizer(trainer: Any) -> Any:

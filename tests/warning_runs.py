@@ -272,6 +272,16 @@ def run(name: str, tmp: Path, thresholds: Thresholds | None = None) -> Outcome:
     return outcome
 
 
+def stripped(path: Path) -> Path:
+    """The telemetry as an older sentinel wrote it: no warning on any line."""
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    for line in lines:
+        line["warnings"] = []
+    out = path.with_name("older.jsonl")
+    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return out
+
+
 # ------------------------------------------------------------ diverging runs
 
 
