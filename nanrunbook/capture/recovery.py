@@ -11,10 +11,10 @@ Verifying one hashes every file and reads JSON only: it never unpickles, and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nanrunbook import strictjson
 from nanrunbook.access import file_where
@@ -24,12 +24,14 @@ from nanrunbook.capture._state_manifest import (
     StateDirManifest,
     StateDirRejected,
     read_document,
-    verify_state_dir,
+    verify_state_dir_reading,
 )
 from nanrunbook.codes import RECOVERY_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.manifest.parse import RECOVERY_PARTS
+
+_Read = TypeVar("_Read")
 
 __all__ = [
     "CODES",
@@ -45,6 +47,7 @@ __all__ = [
     "record_document",
     "verification_document",
     "verified_manifest",
+    "verified_reading",
     "verify_recovery_point",
 ]
 
@@ -181,11 +184,26 @@ def verified_manifest(
 ) -> tuple[RecoveryVerification, StateDirManifest | None]:
     """:func:`verify_recovery_point` and the manifest it verified (for a loader
     that reads the point next without hashing it again)."""
+    verification, manifest, _ = verified_reading(path, progress=progress)
+    return verification, manifest
+
+
+def verified_reading(
+    path: Path | str,
+    *,
+    read: Callable[[StateDirManifest], _Read] | None = None,
+    progress: Any = None,
+) -> tuple[RecoveryVerification, StateDirManifest | None, _Read | None]:
+    """:func:`verified_manifest`, with ``read(manifest)`` run while the point's
+    data files are hashed (``verify_state_dir_reading``); its result only when
+    the point verified."""
     root = Path(path)
-    manifest, found = verify_state_dir(root, kind_format=FORMAT, progress=progress)
+    manifest, found, result = verify_state_dir_reading(
+        root, kind_format=FORMAT, read=read, progress=progress
+    )
     violations = list(found)
     if manifest is None:
-        return RecoveryVerification(str(root), tuple(violations)), None
+        return RecoveryVerification(str(root), tuple(violations)), None, None
     header = manifest.header
     header_violations = _header_violations(header)
     violations.extend(header_violations)
@@ -209,7 +227,7 @@ def verified_manifest(
         files=len(manifest.files),
         total_bytes=manifest.total_bytes,
     )
-    return verification, manifest
+    return verification, manifest, result if verification.verified else None
 
 
 def _text(value: Any) -> str | None:

@@ -25,11 +25,12 @@ import math
 import os
 import pickle
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import orjson
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -118,13 +119,12 @@ def write_state_dir(
             f"{target.parent} is not a directory: make the one the state goes in"
         )
     with atomic_directory(target) as temp:
+        written: dict[str, FileDigest] = {}
         if state is not None:
-            writer = FileSystemWriter(temp / STATE_SUBDIR, sync_files=True)
-            with _single_process_quiet():
-                dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
+            written = _save_hashed(temp, state)
         for name, value in documents.items():
             write_synced(temp / f"{name}.json", [orjson.dumps(value, option=orjson.OPT_SORT_KEYS)])
-        files = _digests(temp)
+        files = _digests(temp, written)
         if state is not None:
             fsync_directory(temp / STATE_SUBDIR)
         facts = header() if callable(header) else header
@@ -133,12 +133,123 @@ def write_state_dir(
     return manifest
 
 
-def _digests(root: Path) -> dict[str, FileDigest]:
-    """Every file below ``root``, hashed once (the single SHA-256 pass of a save)."""
+# DCP writes (and _HashingFileSystem hashes) two files at once above this many
+# bytes of tensors: two cores; below it one file, as DCP's default.
+_TWO_FILES_FROM = 8 << 20
+
+
+def _save_hashed(root: Path, state: Mapping[str, Any]) -> dict[str, FileDigest]:
+    """DCP's save of ``state`` below ``root / STATE_SUBDIR``, each file hashed as
+    DCP writes it (no second read); the digests by path relative to ``root``."""
+    tensors = [value for value in _flat(state).values() if isinstance(value, torch.Tensor)]
+    large = sum(t.numel() * t.element_size() for t in tensors) >= _TWO_FILES_FROM
+    writer = FileSystemWriter(
+        root / STATE_SUBDIR, sync_files=True, thread_count=2 if large and len(tensors) > 1 else 1
+    )
+    hashing = _HashingFileSystem()
+    writer.fs = hashing
+    with _single_process_quiet():
+        dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
+    return {
+        path.relative_to(root).as_posix(): digest
+        for path, digest in hashing.written.items()
+        if path.is_relative_to(root)
+    }
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, keeping the SHA-256 and size of every file it
+    writes from the bytes as they go by (``written``, by path; a rename follows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[Path, FileDigest] = {}
+        self._lock = threading.Lock()  # DCP's writer threads finish files at once
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as handle:
+            stream = _HashingStream(handle)
+            yield stream
+            stream.close()
+        if stream.digest is not None:
+            with self._lock:
+                self.written[Path(path)] = stream.digest
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            digest = self.written.pop(Path(path), None)
+            if digest is not None:
+                self.written[Path(new_path)] = digest
+
+
+class _HashingStream(io.RawIOBase):
+    """A file DCP writes through: each write goes to the file and into a
+    SHA-256. ``digest`` is set on close only when the bytes hashed are the
+    file's (written in order, no seek, the size on disk theirs); else None
+    and the file is read back."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        super().__init__()
+        self._handle = handle
+        self._hasher = hashlib.sha256()
+        self._size = 0
+        self._in_order = True
+        self.digest: FileDigest | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        count = self._handle.write(view)
+        self._hasher.update(view[:count])  # releases the GIL: the other writer thread runs
+        self._size += count
+        return count
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._in_order = False
+        return self._handle.seek(offset, whence)
+
+    def fileno(self) -> int:
+        self._handle.flush()  # DCP fsyncs the descriptor: what is buffered goes first
+        return self._handle.fileno()
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._handle.flush()
+            on_disk = os.fstat(self._handle.fileno()).st_size
+            if self._in_order and on_disk == self._size == self._handle.tell():
+                self.digest = FileDigest(self._hasher.hexdigest(), self._size)
+            super().close()
+            self._handle.close()
+
+
+def _digests(root: Path, written: Mapping[str, FileDigest]) -> dict[str, FileDigest]:
+    """Every file below ``root``: as hashed while written (``written``, when its
+    size on disk is that), else read and hashed once: the single SHA-256 pass."""
     found: dict[str, FileDigest] = {}
     for folder, _, names in os.walk(root):
         for name in names:
             full = Path(folder) / name
+            relative = full.relative_to(root).as_posix()
+            known = written.get(relative)
+            if known is not None and full.stat().st_size == known.size:
+                found[relative] = known
+                continue
             hasher = hashlib.sha256()
             size = 0
             with open(full, "rb", buffering=0) as handle:
@@ -147,7 +258,7 @@ def _digests(root: Path) -> dict[str, FileDigest]:
                 while count := handle.readinto(buffer):
                     hasher.update(view[:count])
                     size += count
-            found[full.relative_to(root).as_posix()] = FileDigest(hasher.hexdigest(), size)
+            found[relative] = FileDigest(hasher.hexdigest(), size)
     return found
 
 
