@@ -180,6 +180,7 @@ def capture_step(
     policy: str = "hold",
     recovery: Mapping[str, Any] | None = None,
     capsule: bool = True,
+    requested: bool = False,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle (as ``rank`` of the job, into the
@@ -190,8 +191,10 @@ def capture_step(
     ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
     ``recovery``: detail fields for the checkpoint item (whether the last
     known-good state was verified by the tool or stated by the loop).
-    ``capsule``: write the held step's capsule into its bundle (a hold's real
-    state is its pre-step state; a step that goes on is not held)."""
+    ``capsule``: write the step's capsule into its bundle (called before any
+    update, at a hold or at a ``capture_steps`` step's decision, the real state
+    is the pre-step state). ``requested``: a ``capture_steps`` step that goes
+    on, not a hold (its log line says so)."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -230,16 +233,22 @@ def capture_step(
         target, report = write_incident(replayed.writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
         return capture_failed(record.number, error)
-    log.error("%s", held_line(record.number, target, report, peer=peer))
+    level = logging.INFO if requested else logging.ERROR  # a step asked for is no incident
+    if requested:
+        decision = report.decision.decision
+        log.info("step %d captured as asked (capture_steps): bundle %s checks %s",
+                 record.number, target, decision)  # fmt: skip
+    else:
+        log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
-        log.error("step %d: %s", record.number, note)
+        log.log(level, "step %d: %s", record.number, note)
     reproduced = Reproduction.compare(
         live_sight(record, peer=peer),
         replay_sight(report, replayed.loss_bits),
         **where_it_ran(objects.model, rank),
         policy=policy,
     )
-    log.error("step %d: %s", record.number, reproduced.line())
+    log.log(level, "step %d: %s", record.number, reproduced.line())
     if not capsule:
         return Captured(target, report, None, tuple(notes), reproduced)
     held = HeldStep(
