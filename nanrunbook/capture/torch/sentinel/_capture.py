@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
+from nanrunbook.capture._changes import CHANGE_FIELD
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import Reproduction, StepSight, incident_bundle_path
 from nanrunbook.capture.torch._convert import tensor_to_raw
@@ -229,6 +230,14 @@ def capture_step(
             derived["topology"] = {**topology_binding(), **topology}
         given = stated_binding(facts, record.number, recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
+        binding = replayed.writer.binding
+        changed = facts.changed(record.number)
+        for change in changed:  # a change the run made, said where a replay says it
+            binding[change.item] = {
+                **binding[change.item],
+                **change.fields,
+                CHANGE_FIELD: change.note,
+            }
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target, report = write_incident(replayed.writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
@@ -251,6 +260,9 @@ def capture_step(
     log.log(level, "step %d: %s", record.number, reproduced.line())
     if not capsule:
         return Captured(target, report, None, tuple(notes), reproduced)
+    if changed:  # the run's own change (prove's) may live in its compute_loss
+        why = "a step under a change the run made has no capsule: the entry would not replay it"
+        return Captured(target, report, None, tuple(notes), reproduced, None, why)
     held = HeldStep(
         model=objects.model,
         optimizer=objects.optimizer,
