@@ -276,3 +276,25 @@ def test_replays_per_group_rate_is_proven_too(incident: dict[str, Any], tmp_path
     )  # fmt: skip
     assert record.proven, record.reasons
     assert record.change == "lr=1" and record.changed_items == ("optimizer",)
+
+
+def test_the_cli_takes_clip_and_refuses_clip_none_in_one_line(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from nanrunbook.cli import app
+
+    def prove(*more: str) -> Any:
+        args = ["prove", str(incident["point"]), "--entry", "recovery_run:build",
+                "--through", str(SPIKE), "--then", "1", "--incident", str(incident["bundle"])]  # fmt: skip
+        return CliRunner().invoke(app, [*args, *more], prog_name="nanrunbook")
+
+    done = prove("--out", str(tmp_path / "proof"), "--change", "clip=1", "-f", "kv")
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert "recovery=PROVEN" in lines and "change=clip=1" in lines, done.output
+    refused = prove("--out", str(tmp_path / "never"), "--change", "clip=none")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert refused.output.count("\n") == 1 and "no clipping to take away" in refused.output
+    assert not (tmp_path / "never").exists()
