@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
+from nanrunbook.capture._changes import CHANGE_FIELD
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import Reproduction, StepSight, incident_bundle_path
 from nanrunbook.capture.torch._convert import tensor_to_raw
@@ -180,6 +181,7 @@ def capture_step(
     policy: str = "hold",
     recovery: Mapping[str, Any] | None = None,
     capsule: bool = True,
+    requested: bool = False,
 ) -> Captured:
     """Replay ``record`` on copies of the real objects (which must hold the
     pre-step state), write its bundle (as ``rank`` of the job, into the
@@ -190,8 +192,10 @@ def capture_step(
     ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
     ``recovery``: detail fields for the checkpoint item (whether the last
     known-good state was verified by the tool or stated by the loop).
-    ``capsule``: write the held step's capsule into its bundle (a hold's real
-    state is its pre-step state; a step that goes on is not held)."""
+    ``capsule``: write the step's capsule into its bundle (called before any
+    update, at a hold or at a ``capture_steps`` step's decision, the real state
+    is the pre-step state). ``requested``: a ``capture_steps`` step that goes
+    on, not a hold (its log line says so)."""
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -226,22 +230,39 @@ def capture_step(
             derived["topology"] = {**topology_binding(), **topology}
         given = stated_binding(facts, record.number, recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
+        binding = replayed.writer.binding
+        changed = facts.changed(record.number)
+        for change in changed:  # a change the run made, said where a replay says it
+            binding[change.item] = {
+                **binding[change.item],
+                **change.fields,
+                CHANGE_FIELD: change.note,
+            }
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target, report = write_incident(replayed.writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
         return capture_failed(record.number, error)
-    log.error("%s", held_line(record.number, target, report, peer=peer))
+    level = logging.INFO if requested else logging.ERROR  # a step asked for is no incident
+    if requested:
+        decision = report.decision.decision
+        log.info("step %d captured as asked (capture_steps): bundle %s checks %s",
+                 record.number, target, decision)  # fmt: skip
+    else:
+        log.error("%s", held_line(record.number, target, report, peer=peer))
     for note in notes:
-        log.error("step %d: %s", record.number, note)
+        log.log(level, "step %d: %s", record.number, note)
     reproduced = Reproduction.compare(
         live_sight(record, peer=peer),
         replay_sight(report, replayed.loss_bits),
         **where_it_ran(objects.model, rank),
         policy=policy,
     )
-    log.error("step %d: %s", record.number, reproduced.line())
+    log.log(level, "step %d: %s", record.number, reproduced.line())
     if not capsule:
         return Captured(target, report, None, tuple(notes), reproduced)
+    if changed:  # the run's own change (prove's) may live in its compute_loss
+        why = "a step under a change the run made has no capsule: the entry would not replay it"
+        return Captured(target, report, None, tuple(notes), reproduced, None, why)
     held = HeldStep(
         model=objects.model,
         optimizer=objects.optimizer,

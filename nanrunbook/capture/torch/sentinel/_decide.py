@@ -162,7 +162,9 @@ class Decisions:
         replay on copies, before the update (a proof of recovery needs the
         incident step's bundle whatever its verdict). The replay starts from the
         buffers before the forward, as a held step's does; the run goes on with
-        the ones its forward wrote (a BatchNorm's running statistics of this step)."""
+        the ones its forward wrote (a BatchNorm's running statistics of this step).
+        Its capsule is written now, while the real state is still the pre-step
+        state (the update comes after the decision)."""
         forward = Buffers(self.model)
         step.buffers.restore()
         try:
@@ -170,7 +172,8 @@ class Decisions:
                 capture_step,
                 step,
                 None,
-                capsule=False,  # the step goes on: no held state to keep
+                capsule=not self.sharded,  # a sharded capsule is not written yet
+                requested=True,
             )
         finally:
             forward.restore()  # and whatever the replay's compute_loss touched is undone
