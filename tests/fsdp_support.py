@@ -269,6 +269,45 @@ def _failed_saves(
     return found
 
 
+def _without_ids(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if not k.startswith("id/")}
+
+
+def _ddp_point(root: Path, rank: int, case: ShardedCase) -> dict[str, Any]:
+    """The same under DDP (replicas: DCP writes each tensor once): saved after
+    two steps, one more step, then a fresh DDP model resumes and takes it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nanrunbook.capture.torch import load_recovery_point, save_recovery_point
+
+    def build() -> tuple[nn.Module, Any, Any]:
+        torch.manual_seed(0)
+        net = DistributedDataParallel(nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1)))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        return net, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    net, optimizer, scheduler = build()
+    torch.manual_seed(200 + rank)
+    for step in (1, 2):
+        _noisy_step(partial(_loss, net), optimizer, scheduler, rank, step, case)
+    path = root / "ddp-point"
+    cursor = {"rank": rank}
+    save_recovery_point(
+        path, model=net, optimizer=optimizer, scheduler=scheduler, data=cursor, step=2,
+        run_id=case.run_id,
+    )  # fmt: skip
+    _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
+    uninterrupted = local_state(net, optimizer)
+    net, optimizer, scheduler = build()
+    loaded = load_recovery_point(path, model=net, optimizer=optimizer, scheduler=scheduler)
+    _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
+    return {
+        "ddp_exactly": loaded.restored_exactly,
+        "ddp_cursor": dict(loaded.cursor or {}),
+        "ddp_same": _without_ids(local_state(net, optimizer)) == _without_ids(uninterrupted),
+    }
+
+
 def recovery_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     """A sharded recovery point: two steps under the sentinel, every rank saves
     one point (``<tmp>/point``), the run goes on one step (the uninterrupted
@@ -320,8 +359,10 @@ def recovery_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
         result["resumed_lr"] = fresh_scheduler.get_last_lr()
         del fresh, fresh_optimizer, fresh_scheduler, loaded
         gc.collect()
+        result.update(_ddp_point(root, rank, case))
+        gc.collect()
     finally:
         dist.destroy_process_group()
     for state in ("uninterrupted", "resumed"):
-        result[state] = {k: v for k, v in result[state].items() if not k.startswith("id/")}
+        result[state] = _without_ids(result[state])
     (root / f"result-{rank}.json").write_text(json.dumps(result))

@@ -1,5 +1,5 @@
-"""Sharded recovery points under FSDP2 (gloo, CPU, 2 processes in one spawned
-job): every rank writes its shards into one point with one manifest; the point
+"""Sharded recovery points under FSDP2, and under DDP (gloo, CPU, 2 processes
+in one spawned job): every rank writes its shards into one point with one manifest; the point
 is verified from one ordinary process (no torch.distributed), a flipped byte in
 one rank's file is found, and a fresh job resumes from it bit for bit."""
 
@@ -107,3 +107,13 @@ def test_another_world_size_is_refused_with_the_reason(
     [violation] = refused.value.violations
     assert violation.code == "RECOVERY_WORLD_SIZE_MISMATCH"
     assert "written by 2 ranks, loaded on 1" in violation.message
+
+
+def test_under_ddp_one_point_of_every_rank_resumes_bit_for_bit(
+    job: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    tmp, results = job
+    verification = verify_recovery_point(tmp / "ddp-point")
+    assert verification.verified and verification.world_size == 2, verification.violations
+    for rank, r in enumerate(results):
+        assert r["ddp_exactly"] and r["ddp_same"] and r["ddp_cursor"] == {"rank": rank}

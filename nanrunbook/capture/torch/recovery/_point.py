@@ -559,8 +559,11 @@ def _load_every_rank(
     if extra:
         state["extra"] = dict(extra)
     load_verified_state(root, state)  # every rank's shards, read in place
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    set_state_dict(  # on copies of the dicts: torch renames DDP's keys in the ones given
+        model,
+        optimizer,
+        model_state_dict=_containers_copied(state["model"]),
+        optim_state_dict=_containers_copied(state["optimizer"]),
     )
     cursor = _restore_documents(documents, scheduler, scaler, data)
     _restore_rng(documents["rng"], gens)
@@ -578,3 +581,12 @@ def _load_every_rank(
         restored = {part: state_digest(held) for part, _, held in pairs}  # this rank's shards
     point = verification.point()
     return LoadedRecoveryPoint(point, verification, restored, exact, cursor, documents["rng"], gens)
+
+
+def _containers_copied(value: Any) -> Any:
+    """``value`` with every dict and list copied, the tensors shared."""
+    if isinstance(value, Mapping):
+        return {key: _containers_copied(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_containers_copied(item) for item in value]
+    return value
