@@ -240,6 +240,10 @@ CAPSULE_CODES: dict[str, str] = {
         "the bundle beside the capsule is not the one the capsule was written with"
         " (its evidence content id differs)"
     ),
+    "CAPSULE_SHARDED": (
+        "the capsule was written by every rank of an FSDP2 job: nanrunbook replay of it"
+        " is not built"
+    ),
     "CAPSULE_OBJECTS_DIFFER": (
         "the objects the entry built differ from the capsule's (optimizer class, param"
         " groups, scheduler, scaler, generators): its state cannot be loaded into them"

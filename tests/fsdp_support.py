@@ -170,6 +170,8 @@ def _run(
         "steps": steps,
         **hold_facts(hold),
         "capture_error": hold.capture_error if hold else None,
+        "capsule": str(hold.capsule) if hold and hold.capsule else None,
+        "capsule_error": hold.capsule_error if hold else None,
         # The state before the held step (an update is found at the next step).
         "untouched": bool(hold) and after == before[hold.step if hold else steps],
         "changed": sorted(
