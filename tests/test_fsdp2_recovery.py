@@ -117,3 +117,25 @@ def test_under_ddp_one_point_of_every_rank_resumes_bit_for_bit(
     assert verification.verified and verification.world_size == 2, verification.violations
     for rank, r in enumerate(results):
         assert r["ddp_exactly"] and r["ddp_same"] and r["ddp_cursor"] == {"rank": rank}
+
+
+def test_a_manifest_that_does_not_list_each_ranks_files_is_not_verified(
+    job: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A rank's shard listed by no rank, then a rank left out of the listing."""
+    tmp, _ = job
+    copy = tmp_path / "point"
+    shutil.copytree(tmp / "point", copy)
+    manifest_path = copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["header"]["ranks"]["1"].remove("state/__1_0.distcp")
+    manifest_path.write_text(json.dumps(manifest))
+    codes = {(v.code, v.where) for v in verify_recovery_point(copy).violations}
+    assert codes == {("STATE_RANKS_INVALID", "header.ranks")}
+    del manifest["header"]["ranks"]["1"]
+    manifest_path.write_text(json.dumps(manifest))
+    codes = {(v.code, v.where) for v in verify_recovery_point(copy).violations}
+    assert codes == {
+        ("STATE_RANKS_INVALID", "header.ranks"),
+        ("RECOVERY_HEADER_INVALID", "header.ranks"),
+    }
