@@ -37,6 +37,7 @@ __all__ = [
     "FORMATS",
     "MANIFEST_NAME",
     "METADATA_GLOBALS",
+    "RANKS_KEY",
     "STATE_SUBDIR",
     "FileDigest",
     "StateDirManifest",
@@ -51,6 +52,9 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 STATE_SUBDIR = "state"  # DCP's files go below it
 DCP_METADATA = f"{STATE_SUBDIR}/.metadata"  # DCP's global metadata (a pickle)
+# The header key of a directory every rank of a job wrote into: each rank's
+# files, by rank ("0", "1", ...); its number of entries is the world size.
+RANKS_KEY = "ranks"
 _MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 _CHUNK = 1 << 20
 
@@ -352,6 +356,7 @@ def verify_state_dir_reading(
     manifest, violations = _parse_manifest(raw, kind_format)
     if manifest is None:
         return None, tuple(violations), None
+    violations.extend(_ranks_violations(manifest))
     on_disk, walk_violations = _on_disk(root)
     violations.extend(walk_violations)
     on_disk.pop(MANIFEST_NAME, None)
@@ -416,6 +421,38 @@ def _locked(progress: Progress | None) -> Progress | None:
             progress(count)
 
     return report
+
+
+def _ranks_violations(manifest: StateDirManifest) -> list[Violation]:
+    """A directory every rank wrote: each rank 0..N-1 lists its files, every
+    listed file is one rank's, and no rank lists a file another does."""
+    ranks = manifest.header.get(RANKS_KEY)
+    if ranks is None:
+        return []
+    where = f"header.{RANKS_KEY}"
+    if not (
+        isinstance(ranks, dict)
+        and ranks
+        and set(ranks) == {str(rank) for rank in range(len(ranks))}
+        and all(isinstance(files, list) for files in ranks.values())
+    ):
+        message = "each rank's files must be listed under its rank, 0 to the world size - 1"
+        return [Violation("STATE_RANKS_INVALID", where, message)]
+    owned = [name for files in ranks.values() for name in files]
+    violations: list[Violation] = []
+    twice = sorted({name for name in owned if owned.count(name) > 1})
+    unowned = sorted(set(manifest.files) - set(owned))
+    unknown = sorted(set(owned) - set(manifest.files))
+    for names, what in (
+        (twice, "listed by more than one rank"),
+        (unowned, "listed by no rank"),
+        (unknown, "a rank lists, the manifest does not"),
+    ):
+        if names:
+            shown = ", ".join(quote(str(name)) for name in names[:3])
+            message = f"{len(names)} file(s) {what}: {shown}"
+            violations.append(Violation("STATE_RANKS_INVALID", where, message))
+    return violations
 
 
 def _metadata_violations(root: Path) -> list[Violation]:

@@ -492,7 +492,7 @@ class Decisions:
 
             def capture(*args: Any, **kwargs: Any) -> Any:
                 # No replay on copies, so no reproduction to judge (the policy is
-                # moot) and no capsule: a sharded capsule is not written yet.
+                # moot); every rank writes the one sharded capsule in it.
                 kwargs.pop("policy", None)
                 return capture_sharded_step(
                     *args, **kwargs, own_gradients=lambda: step.grads.local_finite

@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
+from nanrunbook.capture.torch.capsule._sharded import write_sharded_capsule
 from nanrunbook.capture.torch.replay import (
     ForwardCapture,
     Replayed,
@@ -504,6 +506,26 @@ def capture_sharded_step(
         )
         target, report = write_incident(writer, facts, record.number, root, rank, attempt)
     except Exception as error:  # the hold must stand whatever the capture hits
-        return capture_failed(record.number, error)
-    log.error("%s", held_line(record.number, target, report, peer=peer))
-    return Captured(target, report, None, tuple(notes))
+        captured = capture_failed(record.number, error)
+    else:
+        log.error("%s", held_line(record.number, target, report, peer=peer))
+        captured = Captured(target, report, None, tuple(notes))
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return captured
+    # Every rank reaches this at the agreed hold, its bundle written or not.
+    capsule, capsule_error = write_sharded_capsule(
+        captured.bundle,
+        model=objects.model,
+        optimizer=objects.optimizer,
+        scheduler=objects.scheduler,
+        micro_batches=record.micro,
+        loss_scale=objects.loss_scale,
+        clipping=record.clip.recipe() if record.clip is not None else None,
+        run_id=facts.run_id,
+        step=record.number,
+        evidence_content_id=(
+            captured.report.manifest.evidence_content_id if captured.report is not None else None
+        ),
+        failed=captured.error,
+    )
+    return replace(captured, capsule=capsule, capsule_error=capsule_error)
