@@ -93,9 +93,9 @@ bench-sentinel-fsdp2: $(VENV)/.test-installed
 	$(BIN)/python bench/bench_sentinel_fsdp2.py $(BENCH_ARGS)
 
 # `make fuzz`: the hostile-evidence property suite with the long, random `fuzz` profile
-# (20x the CI examples), then time and peak memory of every explicit hostile case.
+# (20x the CI examples) and the canonical form's at 5x (tests/property_budget.py), then time and peak memory of every explicit hostile case.
 fuzz: $(VENV)/.test-installed
-	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_hostile_properties.py
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_hostile_properties.py tests/test_canonical.py
 	$(BIN)/python fuzz/measure_cases.py
 
 # `make install`: the command, its man pages and shell completion for the installing

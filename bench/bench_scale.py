@@ -12,8 +12,9 @@ Then it times, each in its own process:
 * ``check``       -- ``nanrunbook check --format kv`` of the set directory;
 * ``merge``       -- ``nanrunbook merge --format kv`` of the N reports (streamed:
   a report is judged and let go);
-* ``merge-json``  -- ``nanrunbook merge --format json``, whose answer holds every
-  member's whole report (so it keeps them).
+* ``merge-json``  -- ``nanrunbook merge --format json``, whose answer prints every
+  member's whole report (spooled to a temporary file as it is read, so its
+  peak does not grow with them either).
 
 It prints each one's time, its time per rank beyond the program's start-up
 (``nanrunbook --version``, timed too) and that per-rank time's ratio to the

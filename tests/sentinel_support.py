@@ -549,6 +549,22 @@ def case_worker(rank: int, world: int, tmp: str, case: RankCase) -> None:
     (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
 
 
+def jobs_worker(
+    rank: int, world: int, tmp: str, jobs: tuple[tuple[str, str | RankCase], ...]
+) -> None:
+    """One rank of several jobs in turn, job ``name`` in ``<tmp>/<name>/`` with a
+    process group of its own, as :func:`rank_worker` (a scenario) or
+    :func:`case_worker` (a :class:`RankCase`) alone would run it: one spawn and
+    one torch import for them all."""
+    for name, job in jobs:
+        where = Path(tmp) / name
+        where.mkdir(exist_ok=True)
+        if isinstance(job, RankCase):
+            case_worker(rank, world, str(where), job)
+        else:
+            rank_worker(rank, world, str(where), job)
+
+
 def hold_facts(hold: SentinelHold | None) -> dict[str, Any]:
     """What a rank's worker reports of the hold it met (each None without one)."""
     return {

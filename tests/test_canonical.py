@@ -19,6 +19,7 @@ import pytest
 import rfc8785
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from nanrunbook import EvidenceRejected, strictjson
 from nanrunbook.manifest.content_id import evidence_content_id
@@ -66,13 +67,17 @@ JSON_VALUES = st.recursive(
 )
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(300, 1500), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(JSON_VALUES)
 def test_fast_form_equals_rfc8785_for_every_json_value(value: Any) -> None:
     assert canonical_json(value, list(floats_in(value))) == rfc8785.dumps(value)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=examples(120, 600), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.dictionaries(TEXT, JSON_VALUES, max_size=6), st.booleans())
 def test_fast_form_of_a_strictly_read_document_equals_rfc8785(value: Any, ascii_only: bool) -> None:
     """From JSON text as a producer writes it (escaped or raw UTF-8, indented)."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,16 +188,46 @@ def test_fp16_example_text_report_names_the_input_beyond_f16(ran: Ran) -> None:
     ), flat
 
 
-@pytest.mark.parametrize("name", ["nan_loss_log_zero.py", "fp16_overflow_gradscaler.py"])
-def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(name: str, tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-dir" / "bundle"
-    done = run(str(EXAMPLES / name), "--out", str(missing))
-    assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == f"--out {missing}: the directory {missing.parent} does not exist\n"
-    taken = tmp_path / "taken"
-    taken.mkdir()
-    done = run(str(EXAMPLES / name), "--out", str(taken))
-    assert (done.returncode, done.stderr) == (
-        2,
-        f"--out {taken}: exists; give a new path for the bundle\n",
-    )
+REFUSING = ("nan_loss_log_zero.py", "fp16_overflow_gradscaler.py")
+# Each example's main() on each --out given, its stdout and stderr captured: one
+# process (one torch import) for them all, where a process each cost 4 imports.
+_REFUSALS = """
+import contextlib, io, json, runpy, sys
+examples = sys.argv[1]
+sys.path.insert(0, examples)  # as running a script does: its _report module
+answers = []
+for name, out in json.loads(sys.argv[2]):
+    main = runpy.run_path(f"{examples}/{name}", run_name="example")["main"]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["--out", out])
+    answers.append([code, stdout.getvalue(), stderr.getvalue()])
+print(json.dumps(answers))
+"""
+
+
+Refusals = dict[str, dict[str, tuple[Path, list[Any]]]]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> Refusals:
+    """example -> {"missing": ..., "taken": ...}: an --out in a directory that does
+    not exist and one that exists, each with [exit code, stdout, stderr]."""
+    tmp = tmp_path_factory.mktemp("refused")
+    (tmp / "taken").mkdir()
+    outs = {"missing": tmp / "no-such-dir" / "bundle", "taken": tmp / "taken"}
+    given = [[name, str(out)] for name in REFUSING for out in outs.values()]
+    done = run("-c", _REFUSALS, str(EXAMPLES), json.dumps(given))
+    assert done.returncode == 0, done.stderr
+    answers = iter(json.loads(done.stdout))
+    return {name: {kind: (out, next(answers)) for kind, out in outs.items()} for name in REFUSING}
+
+
+@pytest.mark.parametrize("name", REFUSING)
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(
+    name: str, refusals: Refusals
+) -> None:
+    missing, answer = refusals[name]["missing"]
+    assert answer == [2, "", f"--out {missing}: the directory {missing.parent} does not exist\n"]
+    taken, (code, _, stderr) = refusals[name]["taken"]
+    assert (code, stderr) == (2, f"--out {taken}: exists; give a new path for the bundle\n")

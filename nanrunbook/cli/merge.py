@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -16,6 +17,7 @@ from nanrunbook.cli.app import (
     guarded,
     path_argument,
 )
+from nanrunbook.exits import Exit
 
 __all__ = ["merge"]
 
@@ -46,7 +48,33 @@ def merge(
     from nanrunbook.output.renderers import RENDERERS
     from nanrunbook.verdict.merge import merge_reports
 
-    # Only a JSON answer prints the members' whole reports: otherwise each is let go.
-    result = merge_reports(reports, keep_reports=format is CheckFormat.json)
-    emit(functools.partial(RENDERERS[format.value].incident_set, result, sys.stdout), sys.stdout)
+    if format is not CheckFormat.json:
+        result = merge_reports(reports, keep_reports=False)
+        emit(
+            functools.partial(RENDERERS[format.value].incident_set, result, sys.stdout), sys.stdout
+        )
+        raise typer.Exit(result.exit_code)
+    from nanrunbook.output.json import MemberSpool
+
+    # A JSON answer prints every member's whole report: each is spooled to a
+    # temporary file as it is folded and let go, and copied out once the set is judged.
+    try:
+        spool = MemberSpool()
+    except OSError as error:
+        _unspooled(error)
+    with spool:
+        try:
+            result = merge_reports(reports, keep_reports=False, folded=spool.add)
+        except OSError as error:  # the reports' own are answered as rejected members
+            _unspooled(error)
+        emit(functools.partial(spool.write, result, sys.stdout), sys.stdout)
     raise typer.Exit(result.exit_code)
+
+
+def _unspooled(error: OSError) -> NoReturn:
+    """The temporary file a JSON answer spools its members to cannot be written."""
+    sys.stderr.write(
+        f"nanrunbook merge: cannot spool the members' reports in {tempfile.gettempdir()}"
+        f" (TMPDIR): {error.strerror or error}\n"
+    )
+    raise typer.Exit(Exit.USAGE)

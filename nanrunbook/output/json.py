@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.output.base import Renderer
-from nanrunbook.verdict.incident_set import CheckOutcome, IncidentSet, set_document
+from nanrunbook.verdict.incident_set import (
+    CheckOutcome,
+    IncidentSet,
+    SetMember,
+    member_document,
+    set_document,
+)
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import (
     Report,
@@ -24,12 +32,72 @@ if TYPE_CHECKING:
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
-__all__ = ["JsonRenderer", "json_text", "outcome_document"]
+__all__ = ["JsonRenderer", "MemberSpool", "json_text", "outcome_document"]
 
 
 def json_text(document: Any) -> str:
     """Indented JSON and a final newline; orjson refuses NaN, so output is strict JSON."""
     return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+def _indented(document: Any, depth: int) -> bytes:
+    """``document`` as :func:`json_text` writes it ``depth`` levels down, its first
+    line unindented (it follows a key or a list's indent). orjson escapes every
+    newline inside a string, so each newline it writes starts a line."""
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2).replace(b"\n", b"\n" + b"  " * depth)
+
+
+class MemberSpool:
+    """A set's JSON answer that does not hold its members' reports: each member's
+    entry is written to an unnamed temporary file as it is folded
+    (``merge_reports(folded=spool.add)``), and once the set is judged the document
+    is written, its members copied in the set's order: byte for byte the
+    :meth:`JsonRenderer.incident_set` of the set with every report kept."""
+
+    def __init__(self) -> None:
+        # closed by __exit__; raises OSError when TMPDIR takes no file
+        self._file = tempfile.TemporaryFile()  # noqa: SIM115
+        self._entries: list[tuple[str, int, int]] = []  # name, offset, length
+
+    def __enter__(self) -> MemberSpool:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._file.close()
+
+    def add(self, member: SetMember) -> None:
+        entry = b"    " + _indented(member_document(member), 2)
+        self._entries.append((member.name, self._file.tell(), len(entry)))
+        self._file.write(entry)
+
+    def write(self, result: IncidentSet, out: IO[str]) -> None:
+        """``result``'s document (judged from the members added, in their order)."""
+        # judge_set orders the members by name, stably: so do the entries, which
+        # were added in the members' order.
+        entries = sorted(self._entries, key=lambda entry: entry[0])
+        if [name for name, _, _ in entries] != [member.name for member in result.members]:
+            raise ValueError("the set was not judged from the members spooled")
+        self._file.flush()
+        document = set_document(result)
+        out.write("{")
+        for index, (key, value) in enumerate(document.items()):
+            out.write(f"{',' if index else ''}\n  {orjson.dumps(key).decode()}: ")
+            if key != "members":
+                out.write(_indented(value, 1).decode())
+            elif entries:
+                out.write("[")
+                for place, (_, offset, length) in enumerate(entries):
+                    self._file.seek(offset)
+                    out.write(("," if place else "") + "\n" + self._file.read(length).decode())
+                out.write("\n  ]")
+            else:
+                out.write("[]")
+        out.write("\n}\n")
 
 
 class JsonRenderer(Renderer):

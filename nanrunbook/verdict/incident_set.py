@@ -43,6 +43,7 @@ __all__ = [
     "SetMember",
     "SetViolation",
     "judge_set",
+    "member_document",
     "rank_list",
     "reference_value",
     "set_document",
@@ -418,7 +419,7 @@ def set_document(result: IncidentSet) -> dict[str, Any]:
         "violations": [
             {"code": v.code, "where": v.where, "message": v.message} for v in result.violations
         ],
-        "members": [_member_document(m) for m in result.members],
+        "members": [member_document(m) for m in result.members],
         "nested_sets": list(result.nested_sets),
         "run_directory": _run_directory_document(result),
     }
@@ -437,7 +438,8 @@ def _run_directory_document(result: IncidentSet) -> dict[str, Any] | None:
     }
 
 
-def _member_document(member: SetMember) -> dict[str, Any]:
+def member_document(member: SetMember) -> dict[str, Any]:
+    """A member's entry in its set's JSON document: its verdict, then its whole report."""
     return {
         "name": member.name,
         "rank": member.rank,

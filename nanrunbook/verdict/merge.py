@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -57,18 +57,26 @@ _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
 def merge_reports(
-    paths: Iterable[str | os.PathLike[str]], *, keep_reports: bool = True
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    keep_reports: bool = True,
+    folded: Callable[[SetMember], None] | None = None,
 ) -> IncidentSet:
     """The set verdict from report files written by ``check --format json``: each
     holds a bundle's report or rejection, a set's report, or a list of them (``check``
     of several paths). Never raises for what the files hold. ``keep_reports``
     false: each member's ``document`` keeps only its ``bundle`` (what a text or kv
-    answer shows of it), and a report is let go once its members are judged."""
+    answer shows of it), and a report is let go once its members are judged.
+    ``folded`` is called with each member, its whole report in hand, in the order
+    the files hold them, before it is let go (a json answer spools them so)."""
     sources: list[str] = []
     members: list[SetMember] = []
     for path in paths:
         sources.append(str(path))
         found = _members_of_file(Path(path))
+        if folded is not None:
+            for member in found:
+                folded(member)
         members.extend(found if keep_reports else (m.verdict_only() for m in found))
         del found  # the parsed report goes before the next file is read
     content_id = reference_value(members, lambda m: m.contract_content_id)
