@@ -144,6 +144,7 @@ class StepRecord:
     activations: ActivationStats | None = None
     warnings: list[TelemetryWarning] = field(default_factory=list)
     lr: float | None = None
+    stood_down: bool = False  # nothing of it steps: its scaler.update and scheduler.step pass
     # After the update: its flag (read at the next decision) and exact rows.
     updated: list[Any] = field(default_factory=list)
     before: list[Any] | None = None  # parameters before the update (sampled steps)
