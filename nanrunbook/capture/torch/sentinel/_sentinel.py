@@ -100,6 +100,35 @@ def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
     return float(loss_scale)
 
 
+def _local_gradients(
+    model: Any, sharded: bool, ranks: Ranks
+) -> LocalGradients | OwnGradients | None:
+    if sharded and ranks.distributed:
+        try:
+            return OwnGradients(model)
+        except (RuntimeError, ValueError) as error:  # several parameter groups a module
+            log.info("gradients are checked after the reduce-scatter only: %s", error)
+            return None
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    try:
+        return LocalGradients(model)
+    except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
+        log.info("gradients are checked after the all-reduce only: %s", error)
+        return None
+
+
+def _telemetry_path(
+    given: str | Path | None, incident_dir: Path, facts: LoopFacts, ranks: Ranks
+) -> Path:
+    if given is not None:
+        return Path(given)
+    name = "telemetry.jsonl"
+    if ranks.member is not None:  # the job's rank: unique across its groups
+        name = f"telemetry-{rank_member(ranks.member)}.jsonl"
+    return incident_dir / facts.run_id / name
+
+
 class Sentinel:
     """Watches one model, optimizer (and scaler, scheduler) of a training loop.
 
@@ -182,7 +211,7 @@ class Sentinel:
             raise ValueError(f"transient is 'hold' or 'rerun', not {transient!r}")
         if replay_memory not in REPLAY_MEMORY:
             raise ValueError(f"replay_memory is one of {REPLAY_MEMORY}, not {replay_memory!r}")
-        self.facts = LoopFacts.of(
+        facts = LoopFacts.of(
             run_id=run_id,
             incident_owner=incident_owner,
             checkpoint=checkpoint,
@@ -193,9 +222,9 @@ class Sentinel:
         self.model, self.optimizer, self.compute_loss = model, optimizer, compute_loss
         self.scaler: Any = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
-        self.ranks = Ranks(process_group)
-        self.sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
-        if self.sharded and self.scaler is not None:
+        ranks = Ranks(process_group)
+        sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
+        if sharded and self.scaler is not None:
             raise ValueError(
                 "a GradScaler under FSDP2 is not supported by the sentinel: use"
                 " MixedPrecisionPolicy with bfloat16, or a static loss_scale"
@@ -203,7 +232,7 @@ class Sentinel:
         self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
         self.host_random = host_random
         replayed, compiled = eager_module(model)
-        self.objects = StepObjects(
+        objects = StepObjects(
             model=replayed,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -218,19 +247,19 @@ class Sentinel:
             raise ValueError(f"snapshot is True, False, 'device' or 'host', not {snapshot!r}")
         incident = Path(incident_dir)
         self._decider = StepDecider(
-            objects=self.objects,
-            facts=self.facts,
-            ranks=self.ranks,
+            objects=objects,
+            facts=facts,
+            ranks=ranks,
             policy=policy,
             transient=transient,
             thresholds=thresholds or Thresholds(),
             incident_dir=incident,
-            local=self._local_gradients(model),
-            sharded=self.sharded,
+            local=_local_gradients(model, sharded, ranks),
+            sharded=sharded,
             snapshot=self._state_snapshot(snapshot),
             telemetry=None
             if telemetry is False
-            else TelemetryFile(self._telemetry_path(telemetry, incident)),
+            else TelemetryFile(_telemetry_path(telemetry, incident, facts, ranks)),
             capture_steps=frozenset(capture_steps),
         )
         self.last_step = self.facts.start_step  # the last step decided
@@ -244,7 +273,24 @@ class Sentinel:
         self.closed = False
         self._install()
 
-    # The decision's own state, read where the loop reads it.
+    # The decision's own state and what it was given, read where the loop reads it.
+
+    @property
+    def facts(self) -> LoopFacts:
+        return self._decider.facts
+
+    @property
+    def objects(self) -> StepObjects:
+        return self._decider.objects
+
+    @property
+    def ranks(self) -> Ranks:
+        return self._decider.ranks
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: the checks read local shards."""
+        return self._decider.sharded
 
     @property
     def policy(self) -> Policy:
@@ -285,21 +331,6 @@ class Sentinel:
         """``verified`` (a point the tool verified) or ``stated`` (the loop's word)."""
         return self._decider.last_known_good_recovery
 
-    def _local_gradients(self, model: Any) -> LocalGradients | OwnGradients | None:
-        if self.sharded and self.ranks.distributed:
-            try:
-                return OwnGradients(model)
-            except (RuntimeError, ValueError) as error:  # several parameter groups a module
-                log.info("gradients are checked after the reduce-scatter only: %s", error)
-                return None
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        try:
-            return LocalGradients(model)
-        except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
-            log.info("gradients are checked after the all-reduce only: %s", error)
-            return None
-
     # ------------------------------------------------------------------ set-up
 
     def _state_snapshot(self, snapshot: bool | SnapshotPlace) -> StateSnapshot | None:
@@ -307,14 +338,6 @@ class Sentinel:
             return None
         place: SnapshotPlace = "host" if snapshot == "host" else "device"
         return StateSnapshot(self.optimizer, self.scheduler, self.scaler, place)
-
-    def _telemetry_path(self, given: str | Path | None, incident_dir: Path) -> Path:
-        if given is not None:
-            return Path(given)
-        name = "telemetry.jsonl"
-        if self.ranks.member is not None:  # the job's rank: unique across its groups
-            name = f"telemetry-{rank_member(self.ranks.member)}.jsonl"
-        return incident_dir / self.facts.run_id / name
 
     def _install(self) -> None:
         self._intercepts = Intercepts()
