@@ -27,6 +27,7 @@ from nanrunbook.capture.torch.sentinel._checks import (
     nonfinite_flag,
 )
 from nanrunbook.capture.torch.sentinel._snapshot import Buffers
+from nanrunbook.records import nonfinite_count
 from nanrunbook.telemetry.record import (
     ActivationStats,
     GradientStats,
@@ -92,7 +93,7 @@ class GradFindings:
 
     @property
     def nonfinite(self) -> int:
-        return sum(c.nan + c.posinf + c.neginf for c in self.counts)
+        return sum(nonfinite_count(c) for c in self.counts)
 
     def headroom_from(self, grad: GradientStats) -> HeadroomSource | None:
         """What :meth:`telemetry`'s headroom was taken from (None: no headroom)."""
