@@ -10,9 +10,10 @@ the same run (issue 28's numbers):
   into the live state dict (budget: 1.2x).
 
 The state is an MLP's parameters and its Adam moments (about ``--megabytes``
-in all), on the CPU; files are in the page cache (the second of ``--repeat``
-runs onward; the median is reported), so the figures compare compute, not the
-disk. ::
+in all), on the CPU; files are in the page cache (each is read once before
+the timed rounds), so the figures compare compute, not the disk. The jobs
+alternate round by round (``--repeat`` rounds, medians), so a busy machine's
+swings fall on each job and its floor alike. ::
 
     python bench/bench_recovery.py [--megabytes 256] [--repeat 3]
 """
@@ -60,15 +61,27 @@ def directory_sha(directory: Path) -> str:
     return sha_stream(sorted(p for p in directory.rglob("*") if p.is_file()), 1 << 20)
 
 
-def timed(run: Callable[[], Any], repeat: int, before: Callable[[], Any] = lambda: None) -> float:
-    """Median wall time of ``run`` over ``repeat`` runs, ``before`` untimed each time."""
-    times = []
-    for _ in range(repeat):
-        before()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+Job = tuple[Callable[[], Any], Callable[[], Any]]  # what is timed, what runs untimed before
+
+
+def alternated(jobs: dict[str, Job], repeat: int) -> dict[str, float]:
+    """Median wall time of each job over ``repeat`` rounds, the jobs run one
+    after another in each round (the order rotated), so a busy machine's swings
+    fall on a job and its floor alike."""
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    names = list(jobs)
+    for r in range(repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run, before = jobs[name]
+            before()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _nothing() -> None:
+    pass
 
 
 def main() -> None:
@@ -91,11 +104,9 @@ def main() -> None:
         def ours_save_once() -> None:
             save_recovery_point(point, model=model, optimizer=optimizer, step=1, run_id="bench")
 
-        t_dcp_save = timed(dcp_save_once, args.repeat, clear(dcp_dir))
-        t_save = timed(ours_save_once, args.repeat, clear(point))
+        dcp_save_once()  # the directories dcp.load and every verify and resume read
+        ours_save_once()
         size = sum(p.stat().st_size for p in point.rglob("*") if p.is_file())
-        t_sha = timed(lambda: directory_sha(point), args.repeat)
-        t_verify = timed(lambda: verify_recovery_point(point), args.repeat)
         assert verify_recovery_point(point).verified
 
         def dcp_load_once() -> None:
@@ -108,9 +119,31 @@ def main() -> None:
         def ours_load_undigested() -> None:
             load_recovery_point(point, model=model, optimizer=optimizer, check_digests=False)
 
-        t_dcp_load = timed(dcp_load_once, args.repeat)
-        t_load = timed(ours_load_once, args.repeat)
-        t_load_bare = timed(ours_load_undigested, args.repeat)
+        saved_dcp, saved_point = root / "dcp-save", root / "point-save"
+
+        def dcp_save_again() -> None:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            writer = FileSystemWriter(saved_dcp, sync_files=True)
+            dcp_save(state, storage_writer=writer, no_dist=True)
+
+        def ours_save_again() -> None:
+            save_recovery_point(saved_point, model=model, optimizer=optimizer, step=1, run_id="b")
+
+        medians = alternated(
+            {
+                "dcp_save": (dcp_save_again, clear(saved_dcp)),
+                "save": (ours_save_again, clear(saved_point)),
+                "sha": (lambda: directory_sha(point), _nothing),
+                "verify": (lambda: verify_recovery_point(point), _nothing),
+                "dcp_load": (dcp_load_once, _nothing),
+                "load": (ours_load_once, _nothing),
+                "load_bare": (ours_load_undigested, _nothing),
+            },
+            args.repeat,
+        )
+        t_dcp_save, t_save, t_sha = medians["dcp_save"], medians["save"], medians["sha"]
+        t_verify, t_dcp_load = medians["verify"], medians["dcp_load"]
+        t_load, t_load_bare = medians["load"], medians["load_bare"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mib = size / 2**20

@@ -200,6 +200,9 @@ STATE_DIRECTORY_CODES: dict[str, str] = {
     "STATE_METADATA_REFUSED": (
         "DCP's metadata pickle names a class outside DCP's own metadata records: never run"
     ),
+    "STATE_RANKS_INVALID": (
+        "a directory every rank wrote does not list each rank's files once, under its rank"
+    ),
     "STATE_DOCUMENT_INVALID": "a JSON document of the directory is not strict JSON",
     "STATE_DATA_REFUSED": (
         "DCP's files hold an object weights-only loading refuses, or not what the metadata"
@@ -222,6 +225,10 @@ RECOVERY_CODES: dict[str, str] = {
     ),
     "RECOVERY_STEP_MISMATCH": "a part was saved at another step than the point's",
     "RECOVERY_RNG_MISSING": "the random states lack torch's CPU, numpy's or Python's stream",
+    "RECOVERY_WORLD_SIZE_MISMATCH": (
+        "a point every rank wrote is loaded on another number of ranks (its per-rank"
+        " random states and data positions have no rank to go to)"
+    ),
 }
 
 # capture/torch/capsule/: a capsule, beyond its state directory
@@ -232,6 +239,10 @@ CAPSULE_CODES: dict[str, str] = {
     "CAPSULE_BUNDLE_DIFFERS": (
         "the bundle beside the capsule is not the one the capsule was written with"
         " (its evidence content id differs)"
+    ),
+    "CAPSULE_SHARDED": (
+        "the capsule was written by every rank of an FSDP2 job: nanrunbook replay of it"
+        " is not built"
     ),
     "CAPSULE_OBJECTS_DIFFER": (
         "the objects the entry built differ from the capsule's (optimizer class, param"

@@ -10,6 +10,7 @@ import json
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,8 @@ def _run(
         "steps": steps,
         **hold_facts(hold),
         "capture_error": hold.capture_error if hold else None,
+        "capsule": str(hold.capsule) if hold and hold.capsule else None,
+        "capsule_error": hold.capsule_error if hold else None,
         # The state before the held step (an update is found at the next step).
         "untouched": bool(hold) and after == before[hold.step if hold else steps],
         "changed": sorted(
@@ -226,3 +229,142 @@ def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     finally:
         dist.destroy_process_group()
     (Path(tmp) / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def _noisy_step(
+    forward: Any, optimizer: Any, scheduler: Any, rank: int, step: int, case: ShardedCase
+) -> None:
+    """One step whose batch draws from torch's generator (so the random states a
+    point restores decide the step); ``forward`` takes the batch, gives the loss."""
+    batch = _batch(rank, step, 0, case)
+    batch["x"] = batch["x"] + 0.01 * torch.randn_like(batch["x"])
+    optimizer.zero_grad()
+    forward(batch).backward()
+    optimizer.step()
+    scheduler.step()
+
+
+def _failed_saves(
+    root: Path, sentinel: Sentinel, cursor: dict[str, int], rank: int, case: ShardedCase
+) -> dict[str, str | None]:
+    """What each rank raised saving over the point, and saving with rank 1's data
+    position not one (an object)."""
+    from nanrunbook.capture.torch import save_recovery_point
+
+    found: dict[str, str | None] = {}
+    for name in ("exists", "bad_data"):
+        try:
+            if name == "exists":
+                sentinel.save_recovery_point(root / "point", data=cursor)
+            else:
+                save_recovery_point(
+                    root / "bad",
+                    model=sentinel.model,
+                    optimizer=sentinel.optimizer,
+                    step=3,
+                    run_id=case.run_id,
+                    data=object() if rank == 1 else cursor,
+                )
+            found[name] = None
+        except (OSError, TypeError, RuntimeError) as error:
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def _without_ids(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if not k.startswith("id/")}
+
+
+def _ddp_point(root: Path, rank: int, case: ShardedCase) -> dict[str, Any]:
+    """The same under DDP (replicas: DCP writes each tensor once): saved after
+    two steps, one more step, then a fresh DDP model resumes and takes it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nanrunbook.capture.torch import load_recovery_point, save_recovery_point
+
+    def build() -> tuple[nn.Module, Any, Any]:
+        torch.manual_seed(0)
+        net = DistributedDataParallel(nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1)))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        return net, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    net, optimizer, scheduler = build()
+    torch.manual_seed(200 + rank)
+    for step in (1, 2):
+        _noisy_step(partial(_loss, net), optimizer, scheduler, rank, step, case)
+    path = root / "ddp-point"
+    cursor = {"rank": rank}
+    save_recovery_point(
+        path, model=net, optimizer=optimizer, scheduler=scheduler, data=cursor, step=2,
+        run_id=case.run_id,
+    )  # fmt: skip
+    _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
+    uninterrupted = local_state(net, optimizer)
+    net, optimizer, scheduler = build()
+    loaded = load_recovery_point(path, model=net, optimizer=optimizer, scheduler=scheduler)
+    _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
+    return {
+        "ddp_exactly": loaded.restored_exactly,
+        "ddp_cursor": dict(loaded.cursor or {}),
+        "ddp_same": _without_ids(local_state(net, optimizer)) == _without_ids(uninterrupted),
+    }
+
+
+def recovery_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
+    """A sharded recovery point: two steps under the sentinel, every rank saves
+    one point (``<tmp>/point``), the run goes on one step (the uninterrupted
+    state); saving over it, and a rank whose data position is not one, fail on
+    every rank; a fresh model and optimizer load the point and take the same
+    step (the resumed state)."""
+    import torch.distributed as dist
+
+    from nanrunbook.capture.torch import load_recovery_point
+
+    store = dist.FileStore(str(Path(tmp) / "store"), world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    root = Path(tmp)
+    result: dict[str, Any] = {}
+    try:
+        model = _model(world, case)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        torch.manual_seed(100 + rank)  # each rank's own random stream
+        sentinel = Sentinel(
+            model, optimizer, _loss, scheduler=scheduler, thresholds=Thresholds(sample_every=0),
+            **facts(case.run_id, root),
+        )  # fmt: skip
+        for step in (1, 2):
+            _noisy_step(sentinel.forward, optimizer, scheduler, rank, step, case)
+        cursor = {"rank": rank, "batches": 2}
+        point = sentinel.save_recovery_point(root / "point", data=cursor)
+        result["last_known_good"] = sentinel.last_known_good["checkpoint_id"]
+        _noisy_step(sentinel.forward, optimizer, scheduler, rank, 3, case)
+        result["uninterrupted"] = local_state(model, optimizer)
+        result["lr"] = scheduler.get_last_lr()
+        result.update(_failed_saves(root, sentinel, cursor, rank, case))
+        sentinel.close()
+        del sentinel, model, optimizer, scheduler
+        gc.collect()
+        fresh = _model(world, case)
+        fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
+        fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
+        torch.manual_seed(7)  # drawn over by the point's random states
+        loaded = load_recovery_point(
+            point.path, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler
+        )
+        result["restored_exactly"] = loaded.restored_exactly
+        result["cursor"] = dict(loaded.cursor or {})
+        _noisy_step(partial(_loss, fresh), fresh_optimizer, fresh_scheduler, rank, 3, case)
+        result["resumed"] = local_state(fresh, fresh_optimizer)
+        result["resumed_lr"] = fresh_scheduler.get_last_lr()
+        del fresh, fresh_optimizer, fresh_scheduler, loaded
+        gc.collect()
+        result.update(_ddp_point(root, rank, case))
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    for state in ("uninterrupted", "resumed"):
+        result[state] = _without_ids(result[state])
+    (root / f"result-{rank}.json").write_text(json.dumps(result))

@@ -130,6 +130,39 @@ def test_gradients_are_checked_before_the_trainers_clip(tmp_path: Path) -> None:
     assert grad["nan"] + grad["posinf"] + grad["neginf"] < backward.counts.elements
 
 
+def test_after_a_hold_grad_and_the_loss_accumulator_are_the_held_steps_until_train_again(
+    tmp_path: Path,
+) -> None:
+    """As in a plain loop, a hold leaves the held step's gradients in ``.grad``
+    (evidence; the loop's next zero_grad clears them), and the Trainer's loss
+    accumulator its loss: the adapter puts back only what a new ``train()``
+    carries over (the flos and token counters). Resumed with ``train()``, the
+    Trainer zeroes both itself, and nothing of the held step is in its log."""
+    loud = [True]
+
+    def loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+        logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
+        value = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        return value * 5e37 if loud[0] else value
+
+    trainer, _ = make_trainer(
+        tmp_path, sentinel=sentinel_facts("again"), compute_loss_func=loss, max_steps=2,
+        watch_state=False,
+    )  # fmt: skip
+    hold = hold_of(trainer)
+    assert (hold.step, hold.stage) == (1, "backward")
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    assert grads and not all(bool(torch.isfinite(g).all()) for g in grads)  # the held step's
+    assert float(trainer._tr_loss) > 1e30  # the held step's loss, 5e37 times the mean
+    loud[0] = False
+    trainer.train()  # resumed from the state before the held step
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert trainer.state.global_step == 2 and len(losses) == 2
+    assert all(math.isfinite(v) and v < 10 for v in losses)  # no held step's loss in the log
+    train_loss = trainer.state.log_history[-1]["train_loss"]
+    assert train_loss == pytest.approx(sum(losses) / 2)
+
+
 def _trained(trainer: Any) -> tuple[Any, list[dict[str, Any]]]:
     trainer.train()
     timing = ("train_runtime", "train_samples_per_second", "train_steps_per_second")

@@ -404,24 +404,44 @@ def test_a_bundle_that_is_not_the_capsules_own_is_refused(incident: Path, tmp_pa
     assert not (tmp_path / "o").exists()
 
 
-def test_a_captured_step_that_goes_on_leaves_no_capsule(tmp_path: Path) -> None:
-    """capture_steps= captures a bundle of a step that is not held: its real state
-    is not a held pre-step state, so no capsule claims to replay it."""
+def test_a_captured_step_that_goes_on_leaves_a_capsule_of_its_pre_step_state(
+    tmp_path: Path,
+) -> None:
+    """capture_steps= captures step 2, which goes on: its capsule is written at
+    its decision, before the update (the real state is still the pre-step
+    state), replays to its bundle bit for bit, and the run ends as the same run
+    without the capture; no other step writes one."""
     from sentinel_support import facts, mse, quiet_thresholds, regression_batch
 
     from nanrunbook.capture.torch import Sentinel
 
-    built = build_regressor()
-    model, optimizer = built["model"], built["optimizer"]
-    sentinel = Sentinel(model, optimizer, mse, capture_steps=[2], thresholds=quiet_thresholds(),
-                        **facts("captured", tmp_path))  # fmt: skip
-    for i in (1, 2, 3):
-        optimizer.zero_grad()
-        sentinel.forward(regression_batch(i)).backward()
-        optimizer.step()
-    sentinel.close()
+    def run(capture: list[int], where: Path) -> tuple[torch.nn.Module, Any]:
+        torch.manual_seed(0)
+        built = build_regressor()
+        model, optimizer, scheduler = built["model"], built["optimizer"], built["scheduler"]
+        sentinel = Sentinel(model, optimizer, mse, scheduler=scheduler, capture_steps=capture,
+                            thresholds=quiet_thresholds(), **facts("captured", where))  # fmt: skip
+        for i in (1, 2, 3):
+            optimizer.zero_grad()
+            sentinel.forward(regression_batch(i)).backward()
+            optimizer.step()
+            scheduler.step()
+        sentinel.close()
+        return model, sentinel
+
+    plain, _ = run([], tmp_path / "plain")
+    model, sentinel = run([2], tmp_path / "captured")
+    for (name, a), (_, b) in zip(
+        plain.state_dict().items(), model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name  # the capture changed nothing of the run
     bundle = sentinel.captured[2]
-    assert (bundle / "manifest.json").is_file() and not (bundle / "capsule").exists()
+    steps = sorted(p.name for p in bundle.parent.iterdir() if p.is_dir())
+    assert steps == ["2"] and (bundle / "capsule").is_dir()  # one step asked for, one capsule
+    capsule = Capsule.open(bundle / "capsule")
+    report = capsule.replay(build_regressor, out=tmp_path / "again")
+    assert report.manifest.evidence_content_id == capsule.bundle_evidence_id
+    assert report.decision.decision == "CONTINUE_BOUNDED_DIAGNOSTICS"
 
 
 def test_a_captured_step_that_goes_on_keeps_its_forwards_running_stats(tmp_path: Path) -> None:

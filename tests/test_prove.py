@@ -168,21 +168,28 @@ def test_stated_or_verified_is_provenance_not_a_mechanism(
     assert diff_bundles(incident["bundle"], stated).verdict == "REPRODUCED"
 
 
-def test_a_mechanism_of_one_recorded_step_is_refused_with_why(
+def test_a_change_that_cannot_apply_is_refused_before_anything_runs(
     incident: dict[str, Any], tmp_path: Path
 ) -> None:
     from nanrunbook.capture.mechanisms import AdamEps, ClipMaxNorm
 
-    with pytest.raises(EntryError, match=r"--change clip=1: .* are replay's"):
+    # prove's loop clips only with the change: no clipping to take away
+    with pytest.raises(EntryError, match=r"--change clip=none: .* no clipping to take away"):
         prove_recovery(
             incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
-            change=ClipMaxNorm(1.0), out=tmp_path / "proof",
+            change=ClipMaxNorm(None), out=tmp_path / "proof",
         )  # fmt: skip
     # the run's SGD has no eps: refused before anything runs
     with pytest.raises(EntryError, match=r"--change eps=0\.001: param group 0 has no eps"):
         prove_recovery(
             incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
             change=AdamEps(1e-3), out=tmp_path / "proof",
+        )  # fmt: skip
+    [same] = parse_changes(["reduction=sum"])  # the incident's objective is already "sum"
+    with pytest.raises(EntryError, match=r"--change reduction=sum: reduction 'sum' -> 'sum'"):
+        prove_recovery(
+            incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+            change=same, out=tmp_path / "proof",
         )  # fmt: skip
     taken = {**recovery_run.build(), "sentinel": {"capture_steps": (1,)}}
     with pytest.raises(EntryError, match="sets capture_steps: prove sets them itself"):
@@ -191,6 +198,73 @@ def test_a_mechanism_of_one_recorded_step_is_refused_with_why(
             out=tmp_path / "proof",
         )  # fmt: skip
     assert not (tmp_path / "proof").exists()
+
+
+# Each of replay's other mechanisms in the live loop, from the incident step on
+# (the batch's on the incident step's batch alone), and what it makes of step 8:
+# the spike's gradient is 40000 on the float16 parameter, SGD at lr 2.
+@pytest.mark.parametrize(
+    ("text", "proven", "outcome", "item"),
+    [
+        ("clip=1", True, "FIXED", "optimizer"),  # the update is 2: finite
+        ("clip=100000", False, "UNCHANGED", "optimizer"),  # clips nothing: 80000 again
+        ("reduction=mean", True, "FIXED", "objective"),  # 40000 / 8 per step: 10000
+        ("batch=drop:0", True, "FIXED", "batch"),  # example 0 is the spike's
+        ("batch=drop:1", False, "UNCHANGED", "batch"),  # the spike stays
+        ("batch=replace:0=1", True, "FIXED", "batch"),
+        ("deterministic=on", False, "UNCHANGED", "environment"),  # not a kernel's doing
+    ],
+)
+def test_every_mechanism_of_replay_is_proven_or_not_by_the_run(
+    incident: dict[str, Any], tmp_path: Path, text: str, proven: bool, outcome: str, item: str
+) -> None:
+    import torch
+
+    [change] = parse_changes([text])
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+        change=change, out=tmp_path / "proof",
+    )  # fmt: skip
+    assert record.proven is proven, record.reasons
+    assert (record.diff_verdict, record.diff_outcome) == ("ONE_MECHANISM_CHANGED", outcome)
+    assert record.changed_items == (item,) and record.change == text
+    assert record.held_at == (None if proven else SPIKE)
+    if proven:
+        assert record.steps_run == (7, 8, 9)
+    assert record.new_bundle is not None
+    manifest = json.loads((Path(record.new_bundle) / "manifest.json").read_text())
+    assert manifest["binding"][item]["replay_change"]  # said as a replay says it
+    assert not (Path(record.new_bundle) / "capsule").exists()  # the entry would not replay it
+    assert not torch.are_deterministic_algorithms_enabled()  # put back when the proof ends
+
+
+def test_a_change_that_does_not_act_or_fit_the_step_is_not_proven(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    """Known only at the incident step: a reduction compute_loss never asks a
+    torch.nn.functional loss for, an example step 8's batch does not have."""
+
+    def by_hand() -> Built:
+        def l1(model: Any, batch: Any) -> Any:
+            return (model(batch) - batch[:, 5]).abs().sum()
+
+        return built_objects({**recovery_run.build(), "compute_loss": l1})
+
+    [mean] = parse_changes(["reduction=mean"])
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=by_hand, through=SPIKE, then=1,
+        change=mean, out=tmp_path / "mean",
+    )  # fmt: skip
+    assert not record.proven
+    assert any(r.startswith("--change reduction=mean did not act:") for r in record.reasons)
+    [far] = parse_changes(["batch=drop:99"])
+    record = prove_recovery(
+        incident["point"], incident["bundle"], build=_build, through=SPIKE, then=1,
+        change=far, out=tmp_path / "far",
+    )  # fmt: skip
+    assert not record.proven and record.steps_run == (7,)
+    assert "--change batch=drop:99 did not apply: the step has 8 examples (0 to 7):" \
+        " no example 99" in record.reasons  # fmt: skip
 
 
 def test_replays_per_group_rate_is_proven_too(incident: dict[str, Any], tmp_path: Path) -> None:
@@ -202,3 +276,25 @@ def test_replays_per_group_rate_is_proven_too(incident: dict[str, Any], tmp_path
     )  # fmt: skip
     assert record.proven, record.reasons
     assert record.change == "lr=1" and record.changed_items == ("optimizer",)
+
+
+def test_the_cli_takes_clip_and_refuses_clip_none_in_one_line(
+    incident: dict[str, Any], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from nanrunbook.cli import app
+
+    def prove(*more: str) -> Any:
+        args = ["prove", str(incident["point"]), "--entry", "recovery_run:build",
+                "--through", str(SPIKE), "--then", "1", "--incident", str(incident["bundle"])]  # fmt: skip
+        return CliRunner().invoke(app, [*args, *more], prog_name="nanrunbook")
+
+    done = prove("--out", str(tmp_path / "proof"), "--change", "clip=1", "-f", "kv")
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert "recovery=PROVEN" in lines and "change=clip=1" in lines, done.output
+    refused = prove("--out", str(tmp_path / "never"), "--change", "clip=none")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert refused.output.count("\n") == 1 and "no clipping to take away" in refused.output
+    assert not (tmp_path / "never").exists()

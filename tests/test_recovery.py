@@ -34,6 +34,7 @@ from nanrunbook.capture.torch import (
     verify_recovery_point,
 )
 from nanrunbook.capture.torch._state_dir import StateDirRejected
+from nanrunbook.capture.torch.recovery import _point
 from nanrunbook.codes import CODES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,6 +177,45 @@ def test_a_flipped_byte_fails_verify_and_load_and_is_never_last_known_good(
     assert latest is not None and Path(latest.path) == good
 
 
+def _wide_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and its Adam moments large enough (36 MiB) for two data files."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(3)))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_flipped_tensor_byte_in_a_large_point_refuses_resume_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The point is read into scratch while its data files are hashed: a byte
+    # that DCP decodes without complaint (a tensor's, not the zip's) is caught
+    # by its digest alone, and the run's objects keep every bit.
+    torch.manual_seed(0)
+    model, optimizer = _wide_run()
+    save_recovery_point(tmp_path / "p", model=model, optimizer=optimizer, step=3, run_id="wide")
+    files = sorted((tmp_path / "p" / "state").glob("*.distcp"))
+    assert len(files) == 2  # written, hashed and verified on two threads
+    raw = bytearray(files[1].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    files[1].write_bytes(bytes(raw))
+    read = []
+    real_read = _point.read_verified_state_dir
+    monkeypatch.setattr(
+        _point, "read_verified_state_dir", lambda *a, **k: read.append(1) or real_read(*a, **k)
+    )
+    torch.manual_seed(1)
+    live, live_optimizer = _wide_run()
+    before = state_bits(live, live_optimizer)
+    with pytest.raises(StateDirRejected) as info:
+        load_recovery_point(tmp_path / "p", model=live, optimizer=live_optimizer)
+    assert info.value.codes == ("STATE_FILE_DIGEST_MISMATCH",)
+    assert info.value.violations[0].where == f"state/{files[1].name}"
+    assert read == [1]  # DCP did decode the point, into scratch
+    assert state_bits(live, live_optimizer) == before
+
+
 def test_a_missing_part_fails_verify_and_load(reference: dict[str, Any], tmp_path: Path) -> None:
     dropped = _copy(reference["path"], tmp_path / "dropped")
     (dropped / "scaler.json").unlink()
@@ -261,10 +301,10 @@ _KILLED_WRITER = textwrap.dedent(
         _state_dir.write_synced = write_synced
     else:  # stopped once DCP has written the state, while the files are hashed
         real_digests = _state_dir._digests
-        def digests(root):
+        def digests(*args):
             marker.touch()
             time.sleep(60)
-            return real_digests(root)
+            return real_digests(*args)
         _state_dir._digests = digests
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(24)])

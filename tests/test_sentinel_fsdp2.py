@@ -8,6 +8,8 @@ and writes its bundle of the live held step into the incident set."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from fsdp_support import ShardedCase, sharded_worker
 from test_sentinel_ranks import set_verdict, spawn
 
 from nanrunbook import check_bundle
+from nanrunbook.capture._state_manifest import FORMATS, verify_state_dir
+from nanrunbook.capture.torch._state_dir import read_metadata
 
 
 def run(tmp: Path, world: int, case: ShardedCase) -> list[dict[str, Any]]:
@@ -67,6 +71,38 @@ def test_a_nan_in_rank_1s_data_holds_every_rank_with_origin_rank_1(
     assert precision["compute_dtype"] == ("BF16" if bf16 else "F32")
     topology = report.manifest.binding.details["topology"]
     assert (topology["rank"], topology["world_size"], topology["sharding"]) == (0, world, "fsdp2")
+    _one_sharded_capsule(incident, world, micro, results)
+
+
+def _one_sharded_capsule(
+    incident: Path, world: int, micro: int, results: list[dict[str, Any]]
+) -> None:
+    """Every rank wrote the one capsule in rank 0's bundle, verified from this
+    process; nanrunbook replay refuses it with the reason (exit 3)."""
+    capsule = incident / "rank-00000" / "capsule"
+    assert {r["capsule"] for r in results} == {str(capsule)}, [r["capsule_error"] for r in results]
+    manifest, violations = verify_state_dir(capsule, kind_format=FORMATS["capsule"])
+    assert not violations and manifest is not None, violations
+    assert sorted(manifest.header["ranks"]) == [str(r) for r in range(world)]
+    assert f"state/__{world - 1}_0.distcp" in manifest.header["ranks"][str(world - 1)]
+    for rank in range(world):
+        incident_document = json.loads((capsule / f"rank-{rank:05d}" / "incident.json").read_text())
+        assert incident_document["bundle"]["path"] == f"../../rank-{rank:05d}"
+        micro_batches = json.loads(
+            (capsule / f"rank-{rank:05d}" / "micro_batches.json").read_text()
+        )
+        assert len(micro_batches) == micro and micro_batches[0]["rng"] is not None
+        recipe = json.loads((capsule / f"rank-{rank:05d}" / "recipe.json").read_text())
+        assert recipe["micro_batches"] == micro and recipe["scaling"]["mode"] == "none"
+    metadata = read_metadata(capsule).state_dict_metadata
+    assert {k.split(".")[0] for k in metadata if k.startswith("batch_")} == {
+        f"batch_{rank:05d}" for rank in range(world)
+    }  # each rank's own batch, not one rank's as a replica
+    shown = subprocess.run(
+        [sys.executable, "-m", "nanrunbook", "replay", str(capsule), "--entry", "absent:build"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 3 and "CAPSULE_SHARDED" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_one_ranks_non_finite_update_is_rolled_back_on_every_rank(tmp_path: Path) -> None:

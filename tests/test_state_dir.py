@@ -5,6 +5,7 @@ through a restricted unpickler."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pickle
@@ -22,6 +23,7 @@ from nanrunbook.capture import _state_manifest
 from nanrunbook.capture.torch import _state_dir
 from nanrunbook.capture.torch._state_dir import (
     FORMATS,
+    FileDigest,
     StateDirRejected,
     decode_value,
     encode_value,
@@ -94,6 +96,50 @@ def test_a_written_directory_verifies_and_loads_bit_for_bit(written: Path) -> No
     assert documents["cursor"] == {"batch": 7}
     assert decode_value(documents["rng"])["python"] == random.getstate()
     assert list(written.parent.iterdir()) == [written]  # no temporary left beside it
+
+
+def test_a_large_state_is_hashed_as_written_not_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 16 MiB of tensors: DCP writes two files on two threads, each hashed as its
+    # bytes go by; only the small files (documents, DCP's metadata) are read.
+    read_back: list[str] = []
+    real_open = open
+
+    def spying_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "r" in mode:
+            read_back.append(Path(file).name)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(_state_dir, "open", spying_open, raising=False)
+    state = {"a": torch.arange(2 << 20, dtype=torch.float32), "b": torch.ones(2 << 20)}
+    manifest = write_state_dir(
+        tmp_path / "p", kind_format=KIND, state=state, documents={"doc": 1}, header={}
+    )
+    data = sorted(name for name in manifest.files if name.endswith(".distcp"))
+    assert data == ["state/__0_0.distcp", "state/__0_1.distcp"]
+    assert not [name for name in read_back if name.endswith(".distcp")]
+    for name, digest in manifest.files.items():
+        raw = (tmp_path / "p" / name).read_bytes()
+        assert digest == FileDigest(hashlib.sha256(raw).hexdigest(), len(raw)), name
+    assert verify_state_dir(tmp_path / "p", kind_format=KIND)[1] == ()
+
+
+def test_a_stream_that_seeks_is_read_back(tmp_path: Path) -> None:
+    # Bytes hashed in write order are the file's only when nothing seeks.
+    with open(tmp_path / "f", "wb") as handle:
+        stream = _state_dir._HashingStream(handle)
+        stream.write(b"abcd")
+        stream.seek(0)
+        stream.write(b"x")
+        stream.close()
+    assert stream.digest is None
+    with open(tmp_path / "g", "wb") as handle:
+        stream = _state_dir._HashingStream(handle)
+        stream.write(memoryview(np.arange(3, dtype=np.int64)))
+        stream.close()
+    raw = (tmp_path / "g").read_bytes()
+    assert stream.digest == FileDigest(hashlib.sha256(raw).hexdigest(), 24)
 
 
 def test_an_existing_path_is_refused_and_kept(written: Path) -> None:

@@ -16,11 +16,13 @@ import os
 import pickletools
 import re
 import stat
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -35,6 +37,7 @@ __all__ = [
     "FORMATS",
     "MANIFEST_NAME",
     "METADATA_GLOBALS",
+    "RANKS_KEY",
     "STATE_SUBDIR",
     "FileDigest",
     "StateDirManifest",
@@ -43,11 +46,15 @@ __all__ = [
     "metadata_globals_refused",
     "read_document",
     "verify_state_dir",
+    "verify_state_dir_reading",
 ]
 
 MANIFEST_NAME = "manifest.json"
 STATE_SUBDIR = "state"  # DCP's files go below it
 DCP_METADATA = f"{STATE_SUBDIR}/.metadata"  # DCP's global metadata (a pickle)
+# The header key of a directory every rank of a job wrote into: each rank's
+# files, by rank ("0", "1", ...); its number of entries is the world size.
+RANKS_KEY = "ranks"
 _MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 _CHUNK = 1 << 20
 
@@ -103,8 +110,12 @@ METADATA_GLOBALS = frozenset(
 )
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Files are hashed on this many threads at once (hashlib releases the GIL):
+# DCP writes a large state as two files, one per core.
+HASH_THREADS = 2
 
 Progress = Callable[[int], None]
+_Read = TypeVar("_Read")
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,18 +318,45 @@ def verify_state_dir(
     pickle naming only DCP's own records (read as opcodes). Never unpickles. ``progress``: an object with ``start(total)``
     called once and called with byte counts as files are hashed (``check``'s bar).
     The manifest is returned when it could be parsed, even with violations."""
+    manifest, violations, _ = verify_state_dir_reading(
+        path, kind_format=kind_format, progress=progress, require_state=require_state
+    )
+    return manifest, violations
+
+
+def verify_state_dir_reading(
+    path: Path,
+    *,
+    kind_format: str,
+    read: Callable[[StateDirManifest], _Read] | None = None,
+    progress: Any = None,
+    require_state: bool = True,
+) -> tuple[StateDirManifest | None, tuple[Violation, ...], _Read | None]:
+    """:func:`verify_state_dir`, and ``read(manifest)`` run while DCP's data
+    files are hashed: only once the manifest, every other file (DCP's metadata
+    pickle, the documents) and the listing have verified, so ``read`` sees
+    verified metadata and documents and data files whose digests are still
+    being taken. Its result is returned only when every digest matched too
+    (else None, with the violations); a StateDirRejected it raises becomes its
+    violations. ``read`` must change nothing the caller keeps until then: it
+    reads into scratch, the caller restores from it after."""
     root = Path(path)
     if not root.is_dir() or root.is_symlink():
         what = "is a symlink" if root.is_symlink() else "is not a directory"
         if not root.exists() and not root.is_symlink():
             what = "does not exist"
-        return None, (Violation("STATE_DIR_NOT_FOUND", quote(str(root)), f"the path {what}"),)
+        return (
+            None,
+            (Violation("STATE_DIR_NOT_FOUND", quote(str(root)), f"the path {what}"),),
+            None,
+        )
     raw, missing = _read_manifest(root)
     if missing is not None or raw is None:
-        return None, (missing,) if missing is not None else ()
+        return None, (missing,) if missing is not None else (), None
     manifest, violations = _parse_manifest(raw, kind_format)
     if manifest is None:
-        return None, tuple(violations)
+        return None, tuple(violations), None
+    violations.extend(_ranks_violations(manifest))
     on_disk, walk_violations = _on_disk(root)
     violations.extend(walk_violations)
     on_disk.pop(MANIFEST_NAME, None)
@@ -326,19 +364,95 @@ def verify_state_dir(
     if DCP_METADATA not in manifest.files and (require_state or has_state):
         message = "the manifest lists no DCP metadata: not a DCP checkpoint"
         violations.append(Violation("STATE_METADATA_MISSING", DCP_METADATA, message))
+    unlisted = [
+        Violation(
+            "STATE_FILE_UNLISTED",
+            file_where(name),
+            f"{'a symlink' if stat.S_ISLNK(info.st_mode) else 'an entry'} the manifest does not list",
+        )
+        for name, info in sorted(on_disk.items())
+        if name not in manifest.files
+    ]
     if progress is not None and hasattr(progress, "start"):
         progress.start(manifest.total_bytes)
-    for name, expected in sorted(manifest.files.items()):
-        found = _check_file(root, name, expected, on_disk, progress)
-        violations.extend(found)
-        if name == DCP_METADATA and not found:
-            violations.extend(_metadata_violations(root))
-    for name, info in sorted(on_disk.items()):
-        if name not in manifest.files:
-            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "an entry"
-            message = f"{kind} the manifest does not list"
-            violations.append(Violation("STATE_FILE_UNLISTED", file_where(name), message))
-    return manifest, tuple(violations)
+    shared = _locked(progress)
+    data = {n for n in manifest.files if n.startswith(f"{STATE_SUBDIR}/") and n != DCP_METADATA}
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        # DCP's data files first, largest first (the threads finish together);
+        # the rest (small) checked on this thread meanwhile.
+        checks = {
+            name: pool.submit(_check_file, root, name, manifest.files[name], on_disk, shared)
+            for name in sorted(data, key=lambda name: (-manifest.files[name].size, name))
+        }
+        found: dict[str, list[Violation]] = {}
+        for name in sorted(set(manifest.files) - data):
+            found[name] = _check_file(root, name, manifest.files[name], on_disk, shared)
+            if name == DCP_METADATA and not found[name]:
+                found[name].extend(_metadata_violations(root))
+        result: _Read | None = None
+        read_violations: list[Violation] = []
+        # The digests are of integrity, not authenticity (whoever rewrites a file
+        # can rewrite the manifest): DCP reading a data file as it is hashed,
+        # restricted and weights-only, trusts it no more than after.
+        if read is not None and not (violations or unlisted or any(found.values())):
+            try:
+                result = read(manifest)
+            except StateDirRejected as error:
+                read_violations = list(error.violations)
+        found.update((name, check.result()) for name, check in checks.items())
+    for name in sorted(manifest.files):
+        violations.extend(found[name])
+    violations.extend(unlisted)
+    if violations:
+        return manifest, tuple(violations), None
+    if read_violations:
+        return manifest, tuple(read_violations), None
+    return manifest, (), result
+
+
+def _locked(progress: Progress | None) -> Progress | None:
+    """``progress`` called under a lock: the hashing threads report at once."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+
+    def report(count: int) -> None:
+        with lock:
+            progress(count)
+
+    return report
+
+
+def _ranks_violations(manifest: StateDirManifest) -> list[Violation]:
+    """A directory every rank wrote: each rank 0..N-1 lists its files, every
+    listed file is one rank's, and no rank lists a file another does."""
+    ranks = manifest.header.get(RANKS_KEY)
+    if ranks is None:
+        return []
+    where = f"header.{RANKS_KEY}"
+    if not (
+        isinstance(ranks, dict)
+        and ranks
+        and set(ranks) == {str(rank) for rank in range(len(ranks))}
+        and all(isinstance(files, list) for files in ranks.values())
+    ):
+        message = "each rank's files must be listed under its rank, 0 to the world size - 1"
+        return [Violation("STATE_RANKS_INVALID", where, message)]
+    owned = [name for files in ranks.values() for name in files]
+    violations: list[Violation] = []
+    twice = sorted({name for name in owned if owned.count(name) > 1})
+    unowned = sorted(set(manifest.files) - set(owned))
+    unknown = sorted(set(owned) - set(manifest.files))
+    for names, what in (
+        (twice, "listed by more than one rank"),
+        (unowned, "listed by no rank"),
+        (unknown, "a rank lists, the manifest does not"),
+    ):
+        if names:
+            shown = ", ".join(quote(str(name)) for name in names[:3])
+            message = f"{len(names)} file(s) {what}: {shown}"
+            violations.append(Violation("STATE_RANKS_INVALID", where, message))
+    return violations
 
 
 def _metadata_violations(root: Path) -> list[Violation]:

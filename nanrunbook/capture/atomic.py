@@ -18,6 +18,7 @@ __all__ = [
     "atomic_write",
     "copy_range",
     "fsync_directory",
+    "publish_directory",
     "write_synced",
     "write_synced_copy",
 ]
@@ -161,9 +162,19 @@ def atomic_directory(target: Path, *, overwrite: bool = False) -> Iterator[Path]
                 os.rename(target, old)
                 os.rename(temp, target)
                 shutil.rmtree(old, ignore_errors=True)
-        elif not _renameat2(temp, target, _RENAME_NOREPLACE):  # EEXIST if one appeared
-            os.rename(temp, target)
-        fsync_directory(parent)
+            fsync_directory(parent)
+        else:
+            publish_directory(temp, target)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def publish_directory(temp: Path, target: Path) -> None:
+    """Move the finished, fsync'd directory ``temp`` to ``target``, which must not
+    exist (FileExistsError if one appeared), then fsync the parent."""
+    if not _renameat2(temp, target, _RENAME_NOREPLACE):  # EEXIST if one appeared
+        if target.exists():
+            raise FileExistsError(f"{target} appeared while the directory was written")
+        os.rename(temp, target)
+    fsync_directory(target.parent)

@@ -10,7 +10,7 @@ cannot be written.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,23 @@ def recovery_point(checkpoint_id: str, step: int, parts: Any) -> dict[str, Any] 
 
 
 @dataclass(frozen=True)
+class RunChange:
+    """A change a run made to one binding item (``prove``'s, to a resumed run)
+    for steps ``first`` to ``last`` (None: to the end): in those steps' bundles
+    the item's ``fields`` are these and ``note``, what changed, is its
+    ``replay_change`` detail."""
+
+    item: str
+    note: str
+    first: int
+    last: int | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def covers(self, step: int) -> bool:
+        return self.first <= step and (self.last is None or step <= self.last)
+
+
+@dataclass(frozen=True)
 class LoopFacts:
     run_id: str
     incident_owner: str
@@ -57,6 +74,7 @@ class LoopFacts:
     objective: Mapping[str, Any]
     loader_cursor: Cursor
     start: Mapping[str, Any]  # the starting state as a recovery point
+    changes: tuple[RunChange, ...] = ()  # what the run changed, from a step on (prove's)
 
     @property
     def start_step(self) -> int:
@@ -93,6 +111,10 @@ class LoopFacts:
         facts = cls(run_id, incident_owner, item, data, objective, loader_cursor, start)
         facts._validate()
         return facts
+
+    def changed(self, step: int) -> tuple[RunChange, ...]:
+        """What the run changed at step ``step``."""
+        return tuple(change for change in self.changes if change.covers(step))
 
     def binding(self, step: int) -> dict[str, dict[str, Any]]:
         """The four items the loop supplies, the cursor read now."""

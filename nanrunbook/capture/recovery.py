@@ -11,25 +11,28 @@ Verifying one hashes every file and reads JSON only: it never unpickles, and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nanrunbook import strictjson
 from nanrunbook.access import file_where
 from nanrunbook.capture._state_manifest import (
     FORMATS,
     MANIFEST_NAME,
+    RANKS_KEY,
     StateDirManifest,
     StateDirRejected,
     read_document,
-    verify_state_dir,
+    verify_state_dir_reading,
 )
 from nanrunbook.codes import RECOVERY_CODES as CODES
 from nanrunbook.errors import EvidenceRejected, Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.manifest.parse import RECOVERY_PARTS
+
+_Read = TypeVar("_Read")
 
 __all__ = [
     "CODES",
@@ -45,6 +48,7 @@ __all__ = [
     "record_document",
     "verification_document",
     "verified_manifest",
+    "verified_reading",
     "verify_recovery_point",
 ]
 
@@ -141,23 +145,34 @@ def _part_violations(
         if entry.get("step") != step:
             message = f"{part} saved at step {quote(entry.get('step'))}, the point is step {step}"
             violations.append(Violation("RECOVERY_STEP_MISMATCH", where, message))
-        if part in DOCUMENT_PARTS and file_where(f"{part}.json") not in failed:
-            violations.extend(_document_violations(root, part, step))
+        if part in DOCUMENT_PARTS:  # one document, or one per rank of a point every rank wrote
+            for name in files:
+                if file_where(name) not in failed:
+                    violations.extend(_document_violations(root, part, name, step))
     return violations
 
 
-def _document_violations(root: Path, part: str, step: int) -> list[Violation]:
+def _ranks_violations(header: Mapping[str, Any]) -> list[Violation]:
+    """A point every rank wrote lists as many ranks' files as its world size."""
+    ranks = header.get(RANKS_KEY)
+    if ranks is None or not isinstance(ranks, dict) or len(ranks) == header["world_size"]:
+        return []  # not every rank's, or its listing already refused (STATE_RANKS_INVALID)
+    message = f"the files of {len(ranks)} rank(s) listed, the world size is {header['world_size']}"
+    return [Violation("RECOVERY_HEADER_INVALID", f"header.{RANKS_KEY}", message)]
+
+
+def _document_violations(root: Path, part: str, name: str, step: int) -> list[Violation]:
     """A document part's own step, and the RNG's streams (read as JSON only)."""
-    where = f"{part}.json"
+    where = name
     try:
-        document = read_document(root, part)
+        document = read_document(root, name.removesuffix(".json"))
     except StateDirRejected as error:
         return list(error.violations)
     if not isinstance(document, dict):
-        return [Violation("RECOVERY_PART_MISSING", where, f"{part}.json is not a JSON object")]
+        return [Violation("RECOVERY_PART_MISSING", where, f"{name} is not a JSON object")]
     violations: list[Violation] = []
     if document.get("step") != step:
-        message = f"{part}.json says step {quote(document.get('step'))}, the point is step {step}"
+        message = f"{name} says step {quote(document.get('step'))}, the point is step {step}"
         violations.append(Violation("RECOVERY_STEP_MISMATCH", where, message))
     if part == "rng":
         streams = document.get("streams")
@@ -181,17 +196,33 @@ def verified_manifest(
 ) -> tuple[RecoveryVerification, StateDirManifest | None]:
     """:func:`verify_recovery_point` and the manifest it verified (for a loader
     that reads the point next without hashing it again)."""
+    verification, manifest, _ = verified_reading(path, progress=progress)
+    return verification, manifest
+
+
+def verified_reading(
+    path: Path | str,
+    *,
+    read: Callable[[StateDirManifest], _Read] | None = None,
+    progress: Any = None,
+) -> tuple[RecoveryVerification, StateDirManifest | None, _Read | None]:
+    """:func:`verified_manifest`, with ``read(manifest)`` run while the point's
+    data files are hashed (``verify_state_dir_reading``); its result only when
+    the point verified."""
     root = Path(path)
-    manifest, found = verify_state_dir(root, kind_format=FORMAT, progress=progress)
+    manifest, found, result = verify_state_dir_reading(
+        root, kind_format=FORMAT, read=read, progress=progress
+    )
     violations = list(found)
     if manifest is None:
-        return RecoveryVerification(str(root), tuple(violations)), None
+        return RecoveryVerification(str(root), tuple(violations)), None, None
     header = manifest.header
     header_violations = _header_violations(header)
     violations.extend(header_violations)
     if not header_violations:
         failed = {violation.where for violation in found}  # their contents are not read
         violations.extend(_part_violations(root, header, manifest.files, failed))
+        violations.extend(_ranks_violations(header))
     parts = header.get("parts") if isinstance(header.get("parts"), dict) else {}
     verification = RecoveryVerification(
         path=str(root),
@@ -209,7 +240,7 @@ def verified_manifest(
         files=len(manifest.files),
         total_bytes=manifest.total_bytes,
     )
-    return verification, manifest
+    return verification, manifest, result if verification.verified else None
 
 
 def _text(value: Any) -> str | None:

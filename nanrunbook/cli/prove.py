@@ -57,9 +57,9 @@ def prove(
     change: Annotated[
         list[str] | None,
         change_option(
-            "One change, from the incident step on: precision, loss_scale, lr,"
-            " lr_factor or eps, as for replay (clip, reduction, batch and deterministic"
-            " rewrite one recorded step: replay them from the capsule)."
+            "One change, as for replay, made to the run from the incident step on"
+            " (batch: that step's batch alone): precision, loss_scale, lr, lr_factor,"
+            " eps, clip, reduction, batch, deterministic."
         ),
     ] = None,
     incident: Annotated[

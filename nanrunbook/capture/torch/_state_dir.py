@@ -25,11 +25,14 @@ import math
 import os
 import pickle
 import re
+import shutil
+import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import orjson
@@ -39,7 +42,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -50,6 +53,7 @@ from nanrunbook.capture._state_manifest import (
     FORMATS,
     MANIFEST_NAME,
     METADATA_GLOBALS,
+    RANKS_KEY,
     STATE_SUBDIR,
     FileDigest,
     StateDirManifest,
@@ -58,7 +62,14 @@ from nanrunbook.capture._state_manifest import (
     read_document,
     verify_state_dir,
 )
-from nanrunbook.capture.atomic import atomic_directory, fsync_directory, write_synced
+from nanrunbook.capture.atomic import (
+    atomic_directory,
+    fsync_directory,
+    publish_directory,
+    write_synced,
+)
+from nanrunbook.capture.incident import rank_member
+from nanrunbook.capture.torch._every_rank import agree, from_rank0
 from nanrunbook.errors import Violation, quote
 
 __all__ = [
@@ -70,6 +81,8 @@ __all__ = [
     "decode_value",
     "encode_value",
     "load_state_dir",
+    "load_verified_state",
+    "rank_documents",
     "read_metadata",
     "read_state_dir",
     "read_verified_state_dir",
@@ -79,6 +92,10 @@ __all__ = [
 
 _DOCUMENT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _CHUNK = 1 << 20
+# The files a rank writes into a directory every rank writes: DCP names its
+# shards ``__<rank>_<n>.distcp``; the documents go in the rank's member folder.
+_DCP_SHARD = re.compile(rf"{STATE_SUBDIR}/__(\d+)_\d+\.distcp")
+_MEMBER = re.compile(r"rank-(\d{5})/")
 _SHOWN = 4  # differences named in a key, shape or dtype refusal
 
 
@@ -101,30 +118,30 @@ def write_state_dir(
     state: Mapping[str, Any] | None,
     documents: Mapping[str, Any],
     header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    every_rank: bool = False,
 ) -> StateDirManifest:
     """Write ``state`` through DCP and each document as ``<name>.json``, then the
     manifest, atomically at ``path`` (which must not exist: FileExistsError).
     A failure or a kill leaves nothing at ``path``. ``header`` may be a callable,
     called once the files are written, before the manifest: facts computed
-    while DCP writes (a digest of the state in memory, say)."""
+    while DCP writes (a digest of the state in memory, say).
+
+    ``every_rank`` (under torch.distributed with more than one rank): every
+    rank calls this with the same ``path`` and its own ``state`` (its shards)
+    and ``documents``; one directory holds them all (see :func:`_write_every_rank`)."""
     target = Path(path)
     for name in documents:
         if not _DOCUMENT_NAME.fullmatch(name):
             raise ValueError(f"document name {name!r} is not lower-case letters, digits and _")
-    if target.exists() or target.is_symlink():
-        raise FileExistsError(f"{target} exists: a state directory is never overwritten")
-    if not target.parent.is_dir():
-        raise FileNotFoundError(
-            f"{target.parent} is not a directory: make the one the state goes in"
-        )
+    if every_rank and _distributed() and dist.get_world_size() > 1:
+        return _write_every_rank(target, kind_format, state, documents, header)
+    _check_target(target)
     with atomic_directory(target) as temp:
+        written: dict[str, FileDigest] = {}
         if state is not None:
-            writer = FileSystemWriter(temp / STATE_SUBDIR, sync_files=True)
-            with _single_process_quiet():
-                dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
-        for name, value in documents.items():
-            write_synced(temp / f"{name}.json", [orjson.dumps(value, option=orjson.OPT_SORT_KEYS)])
-        files = _digests(temp)
+            written = _save_hashed(temp, state)
+        _write_documents(temp, documents)
+        files = _digests(temp, written)
         if state is not None:
             fsync_directory(temp / STATE_SUBDIR)
         facts = header() if callable(header) else header
@@ -133,12 +150,232 @@ def write_state_dir(
     return manifest
 
 
-def _digests(root: Path) -> dict[str, FileDigest]:
-    """Every file below ``root``, hashed once (the single SHA-256 pass of a save)."""
+# DCP writes (and _HashingFileSystem hashes) two files at once above this many
+# bytes of tensors: two cores; below it one file, as DCP's default.
+_TWO_FILES_FROM = 8 << 20
+
+
+def _save_hashed(root: Path, state: Mapping[str, Any]) -> dict[str, FileDigest]:
+    """DCP's save of ``state`` below ``root / STATE_SUBDIR``, each file hashed as
+    DCP writes it (no second read); the digests by path relative to ``root``."""
+    tensors = [value for value in _flat(state).values() if isinstance(value, torch.Tensor)]
+    large = sum(t.numel() * t.element_size() for t in tensors) >= _TWO_FILES_FROM
+    writer = FileSystemWriter(
+        root / STATE_SUBDIR, sync_files=True, thread_count=2 if large and len(tensors) > 1 else 1
+    )
+    hashing = _HashingFileSystem()
+    writer.fs = hashing
+    with _single_process_quiet():
+        dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
+    return {
+        path.relative_to(root).as_posix(): digest
+        for path, digest in hashing.written.items()
+        if path.is_relative_to(root)
+    }
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, keeping the SHA-256 and size of every file it
+    writes from the bytes as they go by (``written``, by path; a rename follows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[Path, FileDigest] = {}
+        self._lock = threading.Lock()  # DCP's writer threads finish files at once
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as handle:
+            stream = _HashingStream(handle)
+            yield stream
+            stream.close()
+        if stream.digest is not None:
+            with self._lock:
+                self.written[Path(path)] = stream.digest
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            digest = self.written.pop(Path(path), None)
+            if digest is not None:
+                self.written[Path(new_path)] = digest
+
+
+class _HashingStream(io.RawIOBase):
+    """A file DCP writes through: each write goes to the file and into a
+    SHA-256. ``digest`` is set on close only when the bytes hashed are the
+    file's (written in order, no seek, the size on disk theirs); else None
+    and the file is read back."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        super().__init__()
+        self._handle = handle
+        self._hasher = hashlib.sha256()
+        self._size = 0
+        self._in_order = True
+        self.digest: FileDigest | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        count = self._handle.write(view)
+        self._hasher.update(view[:count])  # releases the GIL: the other writer thread runs
+        self._size += count
+        return count
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._in_order = False
+        return self._handle.seek(offset, whence)
+
+    def fileno(self) -> int:
+        self._handle.flush()  # DCP fsyncs the descriptor: what is buffered goes first
+        return self._handle.fileno()
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._handle.flush()
+            on_disk = os.fstat(self._handle.fileno()).st_size
+            if self._in_order and on_disk == self._size == self._handle.tell():
+                self.digest = FileDigest(self._hasher.hexdigest(), self._size)
+            super().close()
+            self._handle.close()
+
+
+def _check_target(target: Path) -> None:
+    if target.exists() or target.is_symlink():
+        raise FileExistsError(f"{target} exists: a state directory is never overwritten")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"{target.parent} is not a directory: make the one the state goes in"
+        )
+
+
+def _write_documents(folder: Path, documents: Mapping[str, Any]) -> None:
+    for name, value in documents.items():
+        write_synced(folder / f"{name}.json", [orjson.dumps(value, option=orjson.OPT_SORT_KEYS)])
+
+
+def _owner(name: str) -> int:
+    """The rank that wrote a file of a directory every rank writes (rank 0: DCP's
+    metadata and anything at the top)."""
+    found = _DCP_SHARD.fullmatch(name) or _MEMBER.match(name)
+    return int(found.group(1)) if found else 0
+
+
+def _write_every_rank(
+    target: Path,
+    kind_format: str,
+    state: Mapping[str, Any] | None,
+    documents: Mapping[str, Any],
+    header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+) -> StateDirManifest:
+    """Rank 0 makes one temporary directory; every rank writes its DCP shards
+    into it (DCP's save, itself collective, raises on every rank when one
+    fails), then its documents into its member folder, then hashes its own
+    files; the digests are gathered to rank 0, which writes the one manifest
+    (every rank's files under the header's ``ranks``), fsyncs and renames.
+    Each phase ends in an agreement (:func:`agree`): every rank raises when any
+    rank failed, and rank 0 removes the temporary; nothing is at ``target``."""
+    rank = dist.get_rank()
+    made: str | None = None
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            _check_target(target)
+            made = tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        except OSError as caught:
+            error = caught
+    agree("preparing the state directory", error)
+    temp = Path(from_rank0(made))
+    try:
+        written = _save_hashed(temp, state) if state is not None else {}
+        own: dict[str, FileDigest] = {}
+        try:
+            folder = temp / rank_member(rank)
+            folder.mkdir()
+            _write_documents(folder, documents)
+            fsync_directory(folder)
+            own = _digests(temp, written, lambda name: _owner(name) == rank)
+        except Exception as caught:  # every rank learns it, below
+            error = caught
+        shards = agree("writing a rank's files", error, own)
+        manifest: StateDirManifest | None = None
+        if rank == 0:
+            try:
+                manifest = _publish(temp, target, kind_format, shards, header, state is not None)
+            except Exception as caught:
+                error = caught
+        agree("publishing the state directory", error)
+        published: StateDirManifest = from_rank0(manifest)
+        return published
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def _publish(
+    temp: Path,
+    target: Path,
+    kind_format: str,
+    shards: list[dict[str, FileDigest]],
+    header: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    has_state: bool,
+) -> StateDirManifest:
+    """Rank 0's part: every file on disk hashed by its rank, the manifest, the rename."""
+    files = {name: digest for own in shards for name, digest in own.items()}
+    present = {
+        (Path(folder) / name).relative_to(temp).as_posix()
+        for folder, _, names in os.walk(temp)
+        for name in names
+    }
+    stray = sorted(present - set(files))
+    if stray:
+        raise RuntimeError(f"{len(stray)} file(s) no rank hashed, such as {quote(stray[0])}")
+    if has_state:
+        fsync_directory(temp / STATE_SUBDIR)
+    facts = dict(header() if callable(header) else header)
+    facts[RANKS_KEY] = {str(rank): sorted(own) for rank, own in enumerate(shards)}
+    manifest = StateDirManifest(kind_format, files, facts)
+    write_synced(temp / MANIFEST_NAME, [manifest_document(manifest)])
+    fsync_directory(temp)
+    publish_directory(temp, target)
+    return manifest
+
+
+def _digests(
+    root: Path,
+    written: Mapping[str, FileDigest],
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, FileDigest]:
+    """Every file below ``root`` (that ``keep`` keeps, by relative name): as
+    hashed while written (``written``, when its size on disk is that), else
+    read and hashed once: the single SHA-256 pass."""
     found: dict[str, FileDigest] = {}
     for folder, _, names in os.walk(root):
         for name in names:
             full = Path(folder) / name
+            relative = full.relative_to(root).as_posix()
+            if keep is not None and not keep(relative):
+                continue
+            known = written.get(relative)
+            if known is not None and full.stat().st_size == known.size:
+                found[relative] = known
+                continue
             hasher = hashlib.sha256()
             size = 0
             with open(full, "rb", buffering=0) as handle:
@@ -147,7 +384,7 @@ def _digests(root: Path) -> dict[str, FileDigest]:
                 while count := handle.readinto(buffer):
                     hasher.update(view[:count])
                     size += count
-            found[full.relative_to(root).as_posix()] = FileDigest(hasher.hexdigest(), size)
+            found[relative] = FileDigest(hasher.hexdigest(), size)
     return found
 
 
@@ -300,15 +537,23 @@ def load_state_dir(
     if violations or manifest is None:
         raise StateDirRejected(violations)
     if state is not None:
-        metadata = read_metadata(root)
-        differences = _differences(state, metadata)
-        if differences:
-            raise StateDirRejected(differences)
-        target = dict(state)
-        _load(target, root, _WeightsOnlyPlanner())
-        if isinstance(state, dict):
-            state.update(target)  # non-tensor values DCP replaced at the top level
+        load_verified_state(root, state)
     return manifest, _documents(root, manifest)
+
+
+def load_verified_state(path: Path, state: Mapping[str, Any]) -> None:
+    """Load a verified directory's DCP state in place into ``state`` (tensors,
+    DTensors included, copied into: under torch.distributed every rank calls it
+    and DCP reads each rank's shards; non-tensor values replaced). Keys, shapes
+    (global ones) and dtypes are checked first: StateDirRejected."""
+    root = Path(path)
+    differences = _differences(state, read_metadata(root))
+    if differences:
+        raise StateDirRejected(differences)
+    target = dict(state)
+    _load(target, root, _WeightsOnlyPlanner())
+    if isinstance(state, dict):
+        state.update(target)  # non-tensor values DCP replaced at the top level
 
 
 def read_state_dir(
@@ -375,6 +620,18 @@ def _documents(root: Path, manifest: StateDirManifest) -> dict[str, Any]:
         name.removesuffix(".json"): read_document(root, name.removesuffix(".json"))
         for name in manifest.files
         if "/" not in name and name.endswith(".json")
+    }
+
+
+def rank_documents(path: Path, manifest: StateDirManifest, rank: int) -> dict[str, Any]:
+    """The JSON documents ``rank`` wrote into a directory every rank wrote."""
+    folder = f"{rank_member(rank)}/"
+    return {
+        name.removeprefix(folder).removesuffix(".json"): read_document(
+            Path(path), name.removesuffix(".json")
+        )
+        for name in manifest.files
+        if name.startswith(folder) and name.endswith(".json")
     }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nanrunbook.capture._changes import CHANGE_FIELD, Change
+from nanrunbook.capture._state_manifest import MANIFEST_NAME
 from nanrunbook.capture.incident import Reproduction, StepSight
 from nanrunbook.capture.torch._copies import eager_module
 from nanrunbook.capture.torch._entry import Built, built_from
@@ -36,6 +37,7 @@ from nanrunbook.capture.torch.capsule._contents import (
     micro_batch_template,
 )
 from nanrunbook.capture.torch.capsule._live import annotate_replay
+from nanrunbook.capture.torch.capsule._sharded import SHARDED_REPLAY
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT
 from nanrunbook.capture.torch.replay import (
     Clipping,
@@ -93,7 +95,14 @@ class Capsule:
         manifest, violations = verify_state_dir(root, kind_format=CAPSULE_FORMAT)
         if violations or manifest is None:
             raise StateDirRejected(violations)
-        from nanrunbook.capture._state_manifest import read_document
+        from nanrunbook.capture._state_manifest import RANKS_KEY, read_document
+
+        if RANKS_KEY in manifest.header:
+            message = (
+                f"written by {len(manifest.header[RANKS_KEY])} ranks under FSDP2 (verified):"
+                f" {SHARDED_REPLAY}"
+            )
+            raise StateDirRejected([Violation("CAPSULE_SHARDED", MANIFEST_NAME, message)])
 
         documents = {}
         for name in _DOCUMENTS:

@@ -4,7 +4,9 @@ random states, its recipe and the incident's facts, through the shared state
 directory (DCP, JSON documents, a SHA-256 manifest written last, atomically).
 
 Nothing here runs on a healthy step: the sentinel keeps the micro-batches and
-random states per step already; a capsule is written only at a hold.
+random states per step already; a capsule is written only at a hold, or at a
+step asked for by ``capture_steps=`` (at its decision, before its update: the
+pre-step state is still the real one).
 """
 
 from __future__ import annotations

@@ -2,15 +2,18 @@
 scheduler, the GradScaler, the data position and the random states as exact
 JSON documents, one manifest over all of it (``capture/torch/_state_dir.py``).
 
-Loading verifies first (``capture/recovery.py``, every violation), reads the
-whole point into fresh tensors, checks every part against the objects it will
-go into, and only then restores them: a refused point changes nothing.
+Loading reads the whole point into fresh tensors while its data files are
+hashed (``capture/recovery.py``, every violation; the manifest, DCP's metadata
+and the documents verified before anything is read), checks every part against
+the objects it will go into, and only then restores them: a refused point
+changes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,20 +22,26 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from nanrunbook.capture._state_manifest import DCP_METADATA, StateDirRejected
+from nanrunbook.capture._state_manifest import DCP_METADATA, RANKS_KEY, StateDirRejected
+from nanrunbook.capture.incident import rank_member
 from nanrunbook.capture.recovery import (
     FORMAT,
     RecoveryPoint,
     RecoveryVerification,
-    verified_manifest,
+    verified_reading,
 )
+from nanrunbook.capture.torch._every_rank import agree, gather
 from nanrunbook.capture.torch._faithfulness import HostRandom
 from nanrunbook.capture.torch._state_dir import (
+    StateDirManifest,
     decode_value,
     encode_value,
+    load_verified_state,
+    rank_documents,
     read_verified_state_dir,
     write_state_dir,
 )
+from nanrunbook.capture.torch.sentinel._shards import local
 from nanrunbook.errors import Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 
@@ -74,12 +83,22 @@ def same_state(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> bool:
                 return False
             if x.dtype != y.dtype or x.shape != y.shape:
                 return False
-            xs, ys = (t.detach().to("cpu").contiguous().reshape(-1) for t in (x, y))
-            if xs.numel() and not torch.equal(xs.view(torch.uint8), ys.view(torch.uint8)):
+            xs, ys = (_as_integers(t) for t in (x, y))
+            if xs.numel() and not torch.equal(xs, ys):
                 return False
         elif encode_value(x) != encode_value(y):
             return False
     return True
+
+
+# Bits compared as integers of the element's width: a NaN equals itself, and
+# torch compares 8-byte words about 4x faster than bytes.
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(_SAME_WIDTH.get(flat.element_size(), torch.uint8))
 
 
 def _leaves(value: Any, path: tuple[str, ...]) -> Iterable[tuple[str, Any]]:
@@ -92,7 +111,7 @@ def _leaves(value: Any, path: tuple[str, ...]) -> Iterable[tuple[str, Any]]:
         for index, item in enumerate(value):
             yield from _leaves(item, (*path, str(index)))
     else:
-        yield "/".join(path), value
+        yield "/".join(path), local(value)  # a DTensor: this rank's shard, no collective
 
 
 def _world_size() -> int:
@@ -183,37 +202,67 @@ def save_recovery_point(
     if not isinstance(run_id, str) or not IDENTIFIER.fullmatch(run_id):
         raise ValueError(f"run_id {run_id!r} is not an identifier (letters, digits, ._:@/+=-)")
     identity = _point_id(run_id, step, point_id)
-    model_state = model.state_dict()
-    optimizer_state = optimizer.state_dict()
+    world = _world_size()
+    every_rank = world > 1
+    documents: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        documents = {
+            "scheduler": _object_document(step, scheduler),
+            "scaler": _object_document(step, scaler),
+            "data_position": _data_document(step, data),
+            "rng": _rng_document(step, tuple(generators)),
+        }
+    except (TypeError, ValueError) as caught:
+        error = caught
+    if every_rank:  # a rank that cannot describe its part stops every rank, before DCP's save
+        agree("saving a recovery point", error)
+    elif error is not None:
+        raise error
+    if every_rank:
+        # Every rank's own shards (FSDP2's DTensors; DDP's replicas, which DCP
+        # writes once), the optimizer's state keyed by parameter name.
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     if extra:
         state["extra"] = dict(extra)
-    documents = {
-        "scheduler": _object_document(step, scheduler),
-        "scaler": _object_document(step, scaler),
-        "data_position": _data_document(step, data),
-        "rng": _rng_document(step, tuple(generators)),
-    }
     target = Path(path)
-    header = _header(step, run_id, identity, documents, has_extra=bool(extra))
-    write_state_dir(target, kind_format=FORMAT, state=state, documents=documents, header=header)
+    header = _header(
+        step, run_id, identity, documents, has_extra=bool(extra), ranks=world if every_rank else 0
+    )
+    write_state_dir(
+        target,
+        kind_format=FORMAT,
+        state=state,
+        documents=documents,
+        header=header,
+        every_rank=every_rank,
+    )
     return RecoveryPoint(str(target), identity, run_id, step, documents["data_position"]["kind"])
 
 
 def _header(
-    step: int, run_id: str, identity: str, documents: Mapping[str, Any], *, has_extra: bool
+    step: int,
+    run_id: str,
+    identity: str,
+    documents: Mapping[str, Any],
+    *,
+    has_extra: bool,
+    ranks: int = 0,
 ) -> dict[str, Any]:
-    """The point's manifest header: its facts and each part's files and step."""
+    """The point's manifest header: its facts and each part's files and step
+    (``ranks``: written by that many ranks, a document per rank in its folder)."""
     parts: dict[str, Any] = {
         part: {"kind": "dcp", "files": [DCP_METADATA], "step": step}
         for part in ("model", "optimizer")
     }
     for part, document in documents.items():
-        parts[part] = {
-            "kind": document.get("kind", "streams"),
-            "files": [f"{part}.json"],
-            "step": step,
-        }
+        files = [f"{rank_member(rank)}/{part}.json" for rank in range(ranks)] or [f"{part}.json"]
+        parts[part] = {"kind": document.get("kind", "streams"), "files": files, "step": step}
     parts["rng"]["streams"] = sorted(documents["rng"]["streams"])
     if has_extra:
         parts["extra"] = {"kind": "dcp", "files": [DCP_METADATA], "step": step}
@@ -400,11 +449,27 @@ def load_recovery_point(
     compare the restored model and optimizer state with the point's, bit for
     bit, and digest it (``digests_match``, ``restored_digests``: one more
     SHA-256 pass over the state)."""
-    verification, manifest = verified_manifest(path, progress=progress)
+
+    # The point is read into fresh tensors while its data files are hashed, and
+    # used only once every digest matched: a refused point changes nothing. A
+    # point every rank wrote is verified here and read by DCP collectively.
+    def read(manifest: StateDirManifest) -> Any:
+        if RANKS_KEY in manifest.header:
+            return None
+        return read_verified_state_dir(Path(path), manifest)
+
+    verification, manifest, reading = verified_reading(path, read=read, progress=progress)
     if not verification.verified or manifest is None:
         raise verification.rejected()
     gens = tuple(generators)
-    _, saved, documents = read_verified_state_dir(Path(path), manifest)
+    if RANKS_KEY in manifest.header:
+        return _load_every_rank(
+            Path(path), manifest, verification, model, optimizer, scheduler, scaler,
+            data, extra, gens, check_digests=check_digests,
+        )  # fmt: skip
+    if reading is None:  # read() reads every point one process wrote
+        raise verification.rejected()
+    _, saved, documents = reading
     saved_model = saved.get("model", {})
     saved_optimizer = _optimizer_state(saved.get("optimizer", {}))
     violations = [
@@ -420,15 +485,7 @@ def load_recovery_point(
         raise StateDirRejected(violations)
     model.load_state_dict(saved_model, strict=True)
     optimizer.load_state_dict(saved_optimizer)
-    for part, obj in (("scheduler", scheduler), ("scaler", scaler)):
-        if documents[part]["kind"] == "state_dict":
-            obj.load_state_dict(decode_value(documents[part]["state"]))
-    position = documents["data_position"]
-    cursor = None
-    if position["kind"] == "state_dict":
-        data.load_state_dict(decode_value(position["state"]))
-    else:
-        cursor = decode_value(position["cursor"])
+    cursor = _restore_documents(documents, scheduler, scaler, data)
     if extra:
         with torch.no_grad():
             for name, tensor in extra.items():
@@ -443,9 +500,12 @@ def load_recovery_point(
         if extra:
             pairs.append(("extra", dict(extra), saved["extra"]))
         # The read state was verified against the manifest; the live one compared
-        # with it bit for bit: one digest stands for both.
-        exact = all(same_state(live, held) for _, live, held in pairs)
-        restored = {part: state_digest(held) for part, _, held in pairs}
+        # with it bit for bit: one digest stands for both. Each part's digest on
+        # a thread of its own while the comparison runs (both release the GIL).
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            digests = {part: pool.submit(state_digest, held) for part, _, held in pairs}
+            exact = all(same_state(live, held) for _, live, held in pairs)
+            restored = {part: digest.result() for part, digest in digests.items()}
     return LoadedRecoveryPoint(point, verification, restored, exact, cursor, documents["rng"], gens)
 
 
@@ -461,3 +521,99 @@ def _extra_violations(
         for name in sorted(given)
         if saved[name].shape != given[name].shape or saved[name].dtype != given[name].dtype
     ]
+
+
+def _restore_documents(
+    documents: Mapping[str, Any], scheduler: Any, scaler: Any, data: Any
+) -> Mapping[str, Any] | None:
+    """Scheduler, scaler and loader from their documents; the loop's cursor
+    when the data position is one (the loop restores it), else None."""
+    for part, obj in (("scheduler", scheduler), ("scaler", scaler)):
+        if documents[part]["kind"] == "state_dict":
+            obj.load_state_dict(decode_value(documents[part]["state"]))
+    position = documents["data_position"]
+    if position["kind"] == "state_dict":
+        data.load_state_dict(decode_value(position["state"]))
+        return None
+    cursor: Mapping[str, Any] = decode_value(position["cursor"])
+    return cursor
+
+
+def _load_every_rank(
+    root: Path,
+    manifest: StateDirManifest,
+    verification: RecoveryVerification,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    data: Any,
+    extra: Mapping[str, torch.Tensor] | None,
+    gens: tuple[Any, ...],
+    *,
+    check_digests: bool,
+) -> LoadedRecoveryPoint:
+    """A point every rank wrote, loaded by every rank of a job of its world
+    size: each rank's shards through DCP (collective), each rank's scheduler,
+    data position and random states from its own folder. Every rank's
+    violations are gathered before DCP reads, so every rank refuses together."""
+    world = _world_size()
+    saved_world = verification.world_size
+    if saved_world != world:  # the same on every rank: no collective needed
+        message = (
+            f"written by {saved_world} ranks, loaded on {world}: each rank's random states and"
+            f" data position belong to one rank; load it on {saved_world} ranks"
+        )
+        raise StateDirRejected(
+            [Violation("RECOVERY_WORLD_SIZE_MISMATCH", "manifest.json", message)]
+        )
+    rank = dist.get_rank()
+    documents = rank_documents(root, manifest, rank)
+    mine = [
+        *_object_violations("scheduler", documents["scheduler"], scheduler),
+        *_object_violations("scaler", documents["scaler"], scaler),
+        *_data_violations(documents["data_position"], data),
+        *_rng_violations(documents["rng"], gens),
+    ]
+    found = gather([(v.code, f"{rank_member(rank)}/{v.where}", v.message) for v in mine])
+    violations = [Violation(*each) for listed in found for each in listed]
+    if violations:
+        raise StateDirRejected(violations)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    if extra:
+        state["extra"] = dict(extra)
+    load_verified_state(root, state)  # every rank's shards, read in place
+    set_state_dict(  # on copies of the dicts: torch renames DDP's keys in the ones given
+        model,
+        optimizer,
+        model_state_dict=_containers_copied(state["model"]),
+        optim_state_dict=_containers_copied(state["optimizer"]),
+    )
+    cursor = _restore_documents(documents, scheduler, scaler, data)
+    _restore_rng(documents["rng"], gens)
+    restored: dict[str, str] = {}
+    exact = False
+    if check_digests:
+        live_model, live_optimizer = get_state_dict(model, optimizer)
+        pairs: list[tuple[str, Mapping[str, Any], Mapping[str, Any]]] = [
+            ("model", live_model, state["model"]),
+            ("optimizer", live_optimizer, state["optimizer"]),
+        ]
+        if extra:
+            pairs.append(("extra", dict(extra), state["extra"]))
+        exact = all(same_state(live, held) for _, live, held in pairs)
+        restored = {part: state_digest(held) for part, _, held in pairs}  # this rank's shards
+    point = verification.point()
+    return LoadedRecoveryPoint(point, verification, restored, exact, cursor, documents["rng"], gens)
+
+
+def _containers_copied(value: Any) -> Any:
+    """``value`` with every dict and list copied, the tensors shared."""
+    if isinstance(value, Mapping):
+        return {key: _containers_copied(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_containers_copied(item) for item in value]
+    return value

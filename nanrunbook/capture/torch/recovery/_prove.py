@@ -4,31 +4,44 @@ under the sentinel, and write the recovery record.
 
 The steps before the incident run unchanged (a bit-identical resume repeats
 the run's own: they must go on as they did); the change starts at the incident
-step and stays. The incident step's bundle is captured whatever its verdict
-(the sentinel's ``capture_steps``), so ``diff`` against the incident bundle can
-attribute the outcome to the one change: ONE_MECHANISM_CHANGED and FIXED is
-recovery; without a change the step holds again and the diff says REPRODUCED.
+step and stays, as the run would be reopened with it: the optimizer's values,
+the loss scale, the precision, clipping, the loss reduction, deterministic
+algorithms. A batch change (drop or replace examples, another batch) is the
+incident step's batch alone: the steps after it take the loader's batches.
+The bundles from the incident step on name the change as a replay's do (the
+changed item's ``replay_change`` detail). The incident step's bundle is
+captured whatever its verdict (the sentinel's ``capture_steps``), so ``diff``
+against the incident bundle can attribute the outcome to the one change:
+ONE_MECHANISM_CHANGED and FIXED is recovery; without a change the step holds
+again and the diff says REPRODUCED.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from nanrunbook.capture._changes import (
     AdamEps,
     AutocastDtype,
+    BatchExamples,
     Change,
+    ClipMaxNorm,
+    Deterministic,
     LearningRate,
     LossScale,
+    OtherBatch,
+    Reduction,
     WithoutAutocast,
     change_text,
 )
 from nanrunbook.capture.atomic import atomic_write
+from nanrunbook.capture.facts import RunChange
 from nanrunbook.capture.incident import SentinelHold
 from nanrunbook.capture.recovery import (
     RecoveryRecord,
@@ -39,66 +52,146 @@ from nanrunbook.capture.recovery import (
 from nanrunbook.capture.torch._entry import Built, EntryError, built_from
 from nanrunbook.capture.torch.recovery._point import load_recovery_point
 from nanrunbook.check import check_bundle
-from nanrunbook.contract import CONTINUE
+from nanrunbook.contract import CONTINUE, SCALE_RANGE, is_contract_scale
 from nanrunbook.diff import FIXED, ONE_MECHANISM_CHANGED, diff_bundles
 from nanrunbook.manifest.parse import RECOVERY_PARTS
 
-__all__ = ["NOT_PROVABLE_WHY", "PROVABLE", "RECORD_NAME", "prove_recovery"]
+__all__ = ["RECORD_NAME", "prove_recovery"]
 
 RECORD_NAME = "recovery.json"
 
 
-# The mechanisms a resumed run can take from the incident step on; the others
-# rewrite one recorded step's recipe and are a capsule replay's.
-PROVABLE = (LearningRate, AdamEps, LossScale, WithoutAutocast, AutocastDtype)
-NOT_PROVABLE_WHY = (
-    "clip, reduction, batch and deterministic are replay's: they rewrite one recorded"
-    " step (its clipping, its loss functions, its examples, its kernels), and a resumed"
-    " run's steps are prove's own loop over the entry's loader"
-)
-
-
 class _Applied:
-    """The change, off until the incident step, then on for the rest of the run."""
+    """The change, off until the incident step, then on: for the rest of the
+    run, or, a batch change, for the incident step's batch. What cannot apply
+    is refused when it is made, before anything runs (EntryError); what can
+    only be known at the incident step (an example the batch does not have, a
+    reduction compute_loss never asked for) is a reason the proof fails."""
 
-    def __init__(self, change: Change | None, run: Built, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self,
+        change: Change | None,
+        run: Built,
+        stack: contextlib.ExitStack,
+        objective: Mapping[str, Any],
+    ) -> None:
+        from nanrunbook.capture.torch.replay._mechanisms import _reduction
+
         self.change, self.run, self.stack, self.on = change, run, stack, False
-        if isinstance(change, LossScale) and (run.scaler is None or not run.scaler.is_enabled()):
-            raise EntryError("loss_scale= needs the run's enabled GradScaler")
-        if isinstance(change, LearningRate | AdamEps):
+        self.failed: str | None = None  # why the change did not apply at the incident step
+        self.clip: float | None = None
+        self._loss = run.compute_loss
+        self._acted: Callable[[], bool] = lambda: True
+        self._why_not = ""
+        self._rewritten: Any = None  # the reduction's rewrite (replay's plan)
+        said = self._said = f"--change {change_text(change)}" if change is not None else ""
+        if isinstance(change, LossScale):
+            if run.scaler is None or not run.scaler.is_enabled():
+                raise EntryError(f"{said}: needs the run's enabled GradScaler")
+            if not is_contract_scale(change.scale):
+                raise EntryError(f"{said}: a loss scale is {SCALE_RANGE}")
+        elif isinstance(change, LearningRate | AdamEps):
             with contextlib.ExitStack() as trial:  # refused now, before anything runs
                 self._set_values(trial)
+        elif isinstance(change, ClipMaxNorm):
+            if change.max_norm is None:
+                raise EntryError(
+                    f"{said}: prove's loop clips only with clip=MAX_NORM, so there is no"
+                    " clipping to take away"
+                )
+            if not change.max_norm > 0:
+                raise EntryError(f"{said}: a max norm is a positive number")
+        elif isinstance(change, Reduction):
+            try:
+                plan = _reduction(change.to, None, run.compute_loss, None, {"objective": objective})
+            except ValueError as error:
+                raise EntryError(f"{said}: {error}") from None
+            self._rewritten, self._acted, self._why_not = plan, plan.acted, plan.why_not
+        elif isinstance(change, Deterministic):
+            import torch
 
-    def _set_values(self, stack: contextlib.ExitStack) -> None:
-        """The change's optimizer values, set until ``stack`` closes (replay's helper)."""
+            if torch.are_deterministic_algorithms_enabled():
+                raise EntryError(f"{said}: deterministic algorithms are already on")
+
+    def _set_values(self, stack: contextlib.ExitStack) -> str:
+        """The change's optimizer values, set until ``stack`` closes (replay's
+        helper); what changed."""
         from nanrunbook.capture.torch.replay._mechanisms import _hyperparameters
 
         assert isinstance(self.change, LearningRate | AdamEps)
         try:
-            stack.enter_context(_hyperparameters(self.change, self.run.optimizer))
+            return str(stack.enter_context(_hyperparameters(self.change, self.run.optimizer)))
         except ValueError as error:
             raise EntryError(f"--change {change_text(self.change)}: {error}") from None
 
-    def start(self) -> None:
+    def start(self, sentinel: Any, batch: Any) -> Any:
+        """Turn the change on at the incident step, whose loader batch is
+        ``batch``; the batch to run it on. The sentinel's bundles say the change
+        from now on, where a replay's would (the item's ``replay_change``)."""
         self.on = True
         change, run = self.change, self.run
+        if change is None:
+            return batch
+        note = ""
         if isinstance(change, LearningRate | AdamEps):
-            self._set_values(self.stack)  # changed until the proof ends
+            note = self._set_values(self.stack)  # changed until the proof ends
         elif isinstance(change, LossScale):
+            before = run.scaler.get_scale()
             run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": float(change.scale)})
+            note = f"loss scale {before:g} -> {change.scale:g}"
+        elif isinstance(change, WithoutAutocast):
+            note = "autocast disabled: compute in the parameters' dtype"
+        elif isinstance(change, AutocastDtype):
+            note = f"autocast in {change.dtype}"
+        elif isinstance(change, ClipMaxNorm):
+            assert change.max_norm is not None
+            self.clip = change.max_norm
+            note = f"clipping at max norm {change.max_norm:g} (L2, every parameter), none before"
+        elif isinstance(change, Reduction):
+            self._loss = self._rewritten.compute_loss
+            note = self._rewritten.note
+        elif isinstance(change, Deterministic):
+            import torch
+
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+            torch.use_deterministic_algorithms(True)
+            self.stack.callback(torch.use_deterministic_algorithms, False, warn_only=warn_only)
+            note = "deterministic algorithms on"
+        elif isinstance(change, BatchExamples):
+            from nanrunbook.capture.torch.replay._mechanisms import changed_examples
+
+            try:
+                [batch], note = changed_examples(change, [batch])
+            except ValueError as error:
+                self.failed = f"{self._said} did not apply: {error}"
+                return batch
+        elif isinstance(change, OtherBatch):
+            batch, note = change.batch, "batch substituted"
+        number = sentinel.last_step + 1  # the incident step, about to run
+        alone = number if isinstance(change, BatchExamples | OtherBatch) else None
+        fields = {"reduction": change.to} if isinstance(change, Reduction) else {}
+        said = RunChange(change.item, note, number, alone, fields)
+        sentinel.facts = dataclasses.replace(sentinel.facts, changes=(said,))
+        return batch
+
+    def not_acted(self) -> str | None:
+        """Why the change, on, never acted (None: it did, or is not on)."""
+        if self.on and self.failed is None and not self._acted():
+            return f"{self._said} did not act: {self._why_not}"
+        return self.failed
 
     def compute_loss(self, model: Any, batch: Any) -> Any:
         from nanrunbook.capture.torch.replay._mechanisms import autocast_as, autocast_off
 
         if self.on and isinstance(self.change, WithoutAutocast):
             with autocast_off():
-                return self.run.compute_loss(model, batch)
+                return self._loss(model, batch)
         if self.on and isinstance(self.change, AutocastDtype):
             import torch
 
             with autocast_as(getattr(torch, self.change.dtype)):
-                return self.run.compute_loss(model, batch)
-        return self.run.compute_loss(model, batch)
+                return self._loss(model, batch)
+        return self._loss(model, batch)
 
 
 def _loop_facts(incident: Path) -> tuple[str, str, dict[str, Any]]:
@@ -112,15 +205,23 @@ def _loop_facts(incident: Path) -> tuple[str, str, dict[str, Any]]:
     return manifest["run"]["run_id"], manifest["incident_owner"], facts
 
 
-def _step(run: Built, sentinel: Any, batch: Any) -> None:
+def _step(run: Built, sentinel: Any, batch: Any, clip: float | None) -> None:
+    """One step of prove's loop; with ``clip``, the gradients (unscaled) clipped
+    at that max norm through the sentinel, so its replays clip them too."""
     run.optimizer.zero_grad()
     loss = sentinel.forward(batch)
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
     if run.scaler is not None and run.scaler.is_enabled():
         run.scaler.scale(loss).backward()
+        if clip is not None:
+            run.scaler.unscale_(run.optimizer)
+            sentinel.clip_grad_norm_(params, clip)
         run.scaler.step(run.optimizer)
         run.scaler.update()
     else:
         loss.backward()
+        if clip is not None:
+            sentinel.clip_grad_norm_(params, clip)
         run.optimizer.step()
     if run.scheduler is not None:
         run.scheduler.step()
@@ -186,8 +287,6 @@ def prove_recovery(
         raise EntryError(f"the point is step {verification.step}: not before the incident")
     if then < 0:
         raise EntryError(f"--then {then}: a number of steps >= 0")
-    if change is not None and not isinstance(change, PROVABLE):
-        raise EntryError(f"--change {change_text(change)}: {NOT_PROVABLE_WHY}")
     run = built_from(build, needs=("loader",))
     run_id, owner, facts = _loop_facts(bundle)
     telemetry = target / "telemetry.jsonl"
@@ -217,7 +316,7 @@ def prove_recovery(
         generators=run.generators,
     )
     stack = contextlib.ExitStack()
-    applied = _Applied(change, run, stack)  # a change that cannot apply: refused here
+    applied = _Applied(change, run, stack, facts["objective"])  # one that cannot: refused here
     target.mkdir()
     sentinel = Sentinel(run.model, run.optimizer, applied.compute_loss, **own, **run.sentinel)
     sentinel.resumed_from(loaded.point)
@@ -230,20 +329,25 @@ def prove_recovery(
     with stack:  # the change's values are put back when the proof ends, however it ends
         try:
             for number in range(loaded.point.step + 1, through + then + 1):
-                if number == through:
-                    applied.start()
                 try:
                     batch = next(batches)
                 except StopIteration:
                     reasons.append(f"the loader ran out before step {number}")
                     break
+                if number == through:
+                    batch = applied.start(sentinel, batch)
+                    if applied.failed is not None:
+                        break
                 steps_run.append(number)
-                _step(run, sentinel, batch)
+                _step(run, sentinel, batch, applied.clip)
             sentinel.close()
         except SentinelHold as held:
             hold = held
             with contextlib.suppress(SentinelHold):
                 sentinel.close()
+    not_acted = applied.not_acted()
+    if not_acted is not None:
+        reasons.append(not_acted)
     new_bundle = hold.bundle if hold is not None and hold.step == through else None
     if new_bundle is None:
         new_bundle = sentinel.captured.get(through)

@@ -10,7 +10,7 @@ import functools
 import inspect
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,13 @@ from nanrunbook.capture.torch.replay._replay_step import (
 from nanrunbook.capture.writer import BundleWriter
 from nanrunbook.contract import SCALE_RANGE, is_contract_scale
 
-__all__ = ["RecipeChange", "autocast_off", "changed_recipe", "replay_changed"]
+__all__ = [
+    "RecipeChange",
+    "autocast_off",
+    "changed_examples",
+    "changed_recipe",
+    "replay_changed",
+]
 
 Loss = Callable[[Any, Any], Any]
 
@@ -468,12 +474,15 @@ def _rows(value: Any, keep: Callable[[Any], Any], size: int) -> Any:
     return value
 
 
-def _examples(change: BatchExamples, recipe: StepRecipe, binding: dict[str, Any]) -> RecipeChange:
-    micro_batches = []
+def changed_examples(change: BatchExamples, batches: Sequence[Any]) -> tuple[list[Any], str]:
+    """The micro-batches ``batches`` of one step with ``change`` applied (their
+    examples numbered across them in order) and what changed, said. ValueError
+    when an example is not there or a micro-batch would be left empty."""
+    changed = []
     start = 0
     touched: set[int] = set()
-    for micro in recipe.micro_batches:
-        tensors = [t for _, t in flatten(micro.batch, "") if t.dim() > 0]
+    for batch in batches:
+        tensors = [t for _, t in flatten(batch, "") if t.dim() > 0]
         if not tensors:
             raise ValueError("a micro-batch holds no tensor with examples to drop or replace")
         size = int(tensors[0].shape[0])
@@ -485,7 +494,6 @@ def _examples(change: BatchExamples, recipe: StepRecipe, binding: dict[str, Any]
                 raise ValueError(f"batch=replace:{i}={j}: example {j} is not in {i}'s micro-batch")
         touched.update(i for i in change.drop if i in local)
         touched.update(i for i, _ in change.replace if i in local)
-        batch = micro.batch
         if replaced:
             order = list(range(size))
             for i, j in replaced:
@@ -497,7 +505,7 @@ def _examples(change: BatchExamples, recipe: StepRecipe, binding: dict[str, Any]
             if not len(kept):
                 raise ValueError("batch=drop would leave a micro-batch without examples")
             batch = _rows(batch, functools.partial(_select, kept), size)
-        micro_batches.append(dataclasses.replace(micro, batch=batch))
+        changed.append(batch)
         start += size
     wanted = set(change.drop) | {i for i, _ in change.replace}
     if wanted - touched:
@@ -510,11 +518,17 @@ def _examples(change: BatchExamples, recipe: StepRecipe, binding: dict[str, Any]
         parts.append(f"examples {', '.join(map(str, change.drop))} dropped")
     if change.replace:
         parts.append(", ".join(f"example {i} replaced by {j}" for i, j in change.replace))
+    return changed, "; ".join(parts)
+
+
+def _examples(change: BatchExamples, recipe: StepRecipe, binding: dict[str, Any]) -> RecipeChange:
+    batches, note = changed_examples(change, [micro.batch for micro in recipe.micro_batches])
+    micro_batches = tuple(
+        dataclasses.replace(micro, batch=batch)
+        for micro, batch in zip(recipe.micro_batches, batches, strict=True)
+    )
     return RecipeChange(
-        dataclasses.replace(recipe, micro_batches=tuple(micro_batches)),
-        binding,
-        "; ".join(parts),
-        change.item,
+        dataclasses.replace(recipe, micro_batches=micro_batches), binding, note, change.item
     )
 
 

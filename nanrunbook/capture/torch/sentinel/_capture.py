@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nanrunbook.check  # noqa: F401  -- loaded now, not in the middle of a hold
+from nanrunbook.capture._changes import CHANGE_FIELD
 from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.incident import Reproduction, StepSight, incident_bundle_path
 from nanrunbook.capture.torch._convert import tensor_to_raw
@@ -72,7 +73,8 @@ class StepCapture:
     recovery: Mapping[str, Any] | None = None  # the checkpoint item's detail (verified/stated)
     peer: bool = False  # held because another rank's values went non-finite
     policy: str = "hold"  # what a NOT_REPRODUCED hold does (hold or rerun), recorded
-    capsule: bool = True  # write the held step's capsule (a step that goes on is not held)
+    capsule: bool = True  # write the step's capsule (before any update: the pre-step state)
+    requested: bool = False  # a capture_steps step that goes on, not a hold (its log says so)
 
 
 @dataclass(frozen=True)
@@ -226,22 +228,39 @@ def capture_step(request: StepCapture) -> Captured:
             derived["topology"] = {**topology_binding(), **request.topology}
         given = stated_binding(facts, record.number, request.recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
+        binding = replayed.writer.binding
+        changed = facts.changed(record.number)
+        for change in changed:  # a change the run made, said where a replay says it
+            binding[change.item] = {
+                **binding[change.item],
+                **change.fields,
+                CHANGE_FIELD: change.note,
+            }
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
         target, report = write_incident(replayed.writer, request)
     except Exception as error:  # the hold must stand whatever the capture hits
         return capture_failed(record.number, error)
-    log.error("%s", held_line(record.number, target, report, peer=request.peer))
+    level = logging.INFO if request.requested else logging.ERROR  # a step asked for is no incident
+    if request.requested:
+        decision = report.decision.decision
+        log.info("step %d captured as asked (capture_steps): bundle %s checks %s",
+                 record.number, target, decision)  # fmt: skip
+    else:
+        log.error("%s", held_line(record.number, target, report, peer=request.peer))
     for note in notes:
-        log.error("step %d: %s", record.number, note)
+        log.log(level, "step %d: %s", record.number, note)
     reproduced = Reproduction.compare(
         live_sight(record, peer=request.peer),
         replay_sight(report, replayed.loss_bits),
         **where_it_ran(objects.model, rank),
         policy=request.policy,
     )
-    log.error("step %d: %s", record.number, reproduced.line())
+    log.log(level, "step %d: %s", record.number, reproduced.line())
     if not request.capsule:
         return Captured(target, report, None, tuple(notes), reproduced)
+    if changed:  # the run's own change (prove's) may live in its compute_loss
+        why = "a step under a change the run made has no capsule: the entry would not replay it"
+        return Captured(target, report, None, tuple(notes), reproduced, None, why)
     held = HeldStep(
         model=objects.model,
         optimizer=objects.optimizer,

@@ -208,7 +208,9 @@ class StepDecider:
         replay on copies, before the update (a proof of recovery needs the
         incident step's bundle whatever its verdict). The replay starts from the
         buffers before the forward, as a held step's does; the run goes on with
-        the ones its forward wrote (a BatchNorm's running statistics of this step)."""
+        the ones its forward wrote (a BatchNorm's running statistics of this step).
+        Its capsule is written now, while the real state is still the pre-step
+        state (the update comes after the decision)."""
         forward = Buffers(self.objects.model)  # the loop model's own buffers
         step.buffers.restore()
         try:
@@ -216,7 +218,8 @@ class StepDecider:
                 capture_step,
                 step,
                 None,
-                capsule=False,  # the step goes on: no held state to keep
+                capsule=not self.sharded,  # a sharded capsule is not written yet
+                requested=True,
             )
         finally:
             forward.restore()  # and whatever the replay's compute_loss touched is undone
@@ -232,6 +235,7 @@ class StepDecider:
         peer: bool = False,
         policy: str = "hold",
         capsule: bool = True,
+        requested: bool = False,
     ) -> Captured:
         """``capture`` (``capture_step`` or the sharded one) of ``step`` into this
         run's incident directory as this rank, with the recovery detail."""
@@ -248,6 +252,7 @@ class StepDecider:
             peer=peer,
             policy=policy,
             capsule=capsule,
+            requested=requested,
         )
         return capture(request)
 

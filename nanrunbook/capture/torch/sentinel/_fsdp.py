@@ -27,12 +27,14 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
+from nanrunbook.capture.torch.capsule._sharded import write_sharded_capsule
 from nanrunbook.capture.torch.replay import (
     ForwardCapture,
     Replayed,
@@ -382,7 +384,8 @@ def capture_sharded_step(request: StepCapture) -> Captured:
     checked. Every rank calls it at the same agreed hold (the forward's
     all-gathers). Never raises: a capture that fails is reported and the hold
     stands. No replay on copies, so no reproduction to judge (the request's
-    ``policy`` is moot) and no capsule (a sharded capsule is not written yet)."""
+    ``policy`` is moot); under several ranks every rank writes the one sharded
+    capsule into rank 0's bundle."""
     objects, facts, record = request.objects, request.facts, request.step
     last_known_good, root = request.last_known_good, request.root
     owner = facts.incident_owner
@@ -493,6 +496,26 @@ def capture_sharded_step(request: StepCapture) -> Captured:
         )
         target, report = write_incident(writer, request)
     except Exception as error:  # the hold must stand whatever the capture hits
-        return capture_failed(record.number, error)
-    log.error("%s", held_line(record.number, target, report, peer=request.peer))
-    return Captured(target, report, None, tuple(notes))
+        captured = capture_failed(record.number, error)
+    else:
+        log.error("%s", held_line(record.number, target, report, peer=request.peer))
+        captured = Captured(target, report, None, tuple(notes))
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return captured
+    # Every rank reaches this at the agreed hold, its bundle written or not.
+    capsule, capsule_error = write_sharded_capsule(
+        captured.bundle,
+        model=objects.model,
+        optimizer=objects.optimizer,
+        scheduler=objects.scheduler,
+        micro_batches=record.micro,
+        loss_scale=objects.loss_scale,
+        clipping=record.clip.recipe() if record.clip is not None else None,
+        run_id=facts.run_id,
+        step=record.number,
+        evidence_content_id=(
+            captured.report.manifest.evidence_content_id if captured.report is not None else None
+        ),
+        failed=captured.error,
+    )
+    return replace(captured, capsule=capsule, capsule_error=capsule_error)

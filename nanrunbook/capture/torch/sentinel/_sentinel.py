@@ -279,6 +279,11 @@ class Sentinel:
     def facts(self) -> LoopFacts:
         return self._decider.facts
 
+    @facts.setter
+    def facts(self, restated: LoopFacts) -> None:
+        """A statement restated mid-run (prove's change, said in the bundles from now on)."""
+        self._decider.facts = restated
+
     @property
     def objects(self) -> StepObjects:
         return self._decider.objects
