@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import hashlib
 import os
 import statistics
@@ -200,6 +199,7 @@ class Setup:
         sample_every: int,
         timed: bool = True,
         snapshot: bool = False,
+        replay_memory: str = "auto",
     ) -> Any:
         cls = Timed if timed else Sentinel
 
@@ -223,6 +223,7 @@ class Setup:
             thresholds=Thresholds(sample_every=sample_every),
             incident_dir=root,
             snapshot=snapshot,
+            replay_memory=replay_memory,
         )
         return sentinel
 
@@ -378,8 +379,7 @@ def _hold_peak(setup: Setup, memory: str) -> tuple[int, int]:
     used), rolled back from the snapshot and replayed (the call that holds)."""
     o = setup.objects()
     root = Path(tempfile.mkdtemp(prefix="bench-sentinel-memory-"))
-    sentinel = setup.sentinel(o, root, 0, timed=False, snapshot=True)
-    sentinel.objects = dataclasses.replace(sentinel.objects, memory=memory)
+    sentinel = setup.sentinel(o, root, 0, timed=False, snapshot=True, replay_memory=memory)
     buffers: list[tuple[int, int]] = []
     real_buffer = _offload.host_buffer
 

@@ -6,9 +6,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 __all__ = [
+    "ALL_RANKS",
+    "NO_ORIGIN",
+    "ONE_RANK",
+    "ORIGINS",
+    "SOME_RANKS",
     "Binding",
     "Counts",
     "Decision",
@@ -26,8 +31,15 @@ __all__ = [
     "element_count",
     "element_counts",
     "frozen_records",
+    "nonfinite_count",
     "origin_of",
 ]
+
+
+# How many of the world a non-finite value began on (spec section 11): the one
+# home of the names an incident set's verdict and watch's job summary give it.
+ONE_RANK, SOME_RANKS, ALL_RANKS, NO_ORIGIN = "ONE_RANK", "SOME_RANKS", "ALL_RANKS", "NONE"
+ORIGINS = (ONE_RANK, SOME_RANKS, ALL_RANKS, NO_ORIGIN)
 
 
 def origin_of(ranks: Sequence[int], world_size: int | None) -> str:
@@ -35,12 +47,12 @@ def origin_of(ranks: Sequence[int], world_size: int | None) -> str:
     are (spec section 11): ONE_RANK, ALL_RANKS, SOME_RANKS, or NONE for none.
     An incident set and watch's telemetry of a job name their origin by it."""
     if not ranks:
-        return "NONE"
+        return NO_ORIGIN
     if len(ranks) == 1:
-        return "ONE_RANK"
+        return ONE_RANK
     if world_size is not None and world_size > 1 and len(ranks) == world_size:
-        return "ALL_RANKS"
-    return "SOME_RANKS"
+        return ALL_RANKS
+    return SOME_RANKS
 
 
 def element_count(shape: Iterable[int], limit: int) -> int | None:
@@ -89,6 +101,21 @@ Status = Literal["OBSERVED", "NOT_RUN"]
 CountsSource = Literal["recounted", "declared"]
 
 
+class _ByClass(Protocol):
+    @property
+    def nan(self) -> int: ...
+    @property
+    def posinf(self) -> int: ...
+    @property
+    def neginf(self) -> int: ...
+
+
+def nonfinite_count(counts: _ByClass) -> int:
+    """The non-finite elements of any counts by class (NaN, +inf, -inf): the
+    one place the three are summed."""
+    return counts.nan + counts.posinf + counts.neginf
+
+
 @dataclass(frozen=True, slots=True)
 class Counts:
     """Element counts by class, as the manifest's ``counts`` object holds them."""
@@ -101,7 +128,7 @@ class Counts:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return nonfinite_count(self)
 
     def as_dict(self) -> dict[str, int]:
         """The manifest's ``counts`` object."""
@@ -316,18 +343,22 @@ class TensorHeadroom:
 
 @dataclass(frozen=True, slots=True)
 class EarlyWarning:
-    """A warning about a tensor's values; never changes the decision or exit code.
+    """A warning; never changes the decision or exit code. The one record of
+    both: a check's about a bundle tensor's values (where: its ``stage``,
+    ``tensor`` and ``index``), and the sentinel's in a telemetry line
+    (``nanrunbook.telemetry.TelemetryWarning``; where: the line's step, so the
+    three are None).
 
-    ``code`` is one of :data:`nanrunbook.warning_codes.WARNING_CODES`. ``message``
-    is one printable ASCII line that does not repeat the tensor's name, which is
-    untrusted (``index`` is safe in key=value output).
+    ``code`` is one of :data:`nanrunbook.warning_codes.WARNING_CODES` (a
+    telemetry reader accepts any). ``message`` is one line that does not repeat
+    the tensor's name, which is untrusted (``index`` is safe in key=value output).
     """
 
     code: str
-    stage: str
-    tensor: str
-    index: int
     message: str
+    stage: str | None = None
+    tensor: str | None = None
+    index: int | None = None
 
 
 # ------------------------------------------------------------- many at once

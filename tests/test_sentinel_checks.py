@@ -262,7 +262,7 @@ def test_the_scalers_flags_and_the_sampled_extremes_join_on_the_accelerator() ->
     from types import SimpleNamespace
 
     from nanrunbook.capture.torch.sentinel._checks import Readout
-    from nanrunbook.capture.torch.sentinel._decide import Decisions
+    from nanrunbook.capture.torch.sentinel._decide import scaler_found_inf
     from nanrunbook.capture.torch.sentinel._steps import StepRecord
 
     optimizer = object()
@@ -270,10 +270,89 @@ def test_the_scalers_flags_and_the_sampled_extremes_join_on_the_accelerator() ->
     scaler = SimpleNamespace(
         _per_optimizer_states={id(optimizer): {"found_inf_per_device": per_device}}
     )
-    found = Decisions._found_inf(SimpleNamespace(scaler=scaler, optimizer=optimizer))  # type: ignore[arg-type]
+    found = scaler_found_inf(SimpleNamespace(scaler=scaler, optimizer=optimizer))  # type: ignore[arg-type]
     assert found.device.type == "meta"
     sampler = SimpleNamespace(values=[torch.ones(()), torch.ones((), device="meta")])
     step = StepRecord(1, 0.0, None, sampler)  # type: ignore[arg-type]
     readout = Readout()
     step.pack_sampled(readout, [])
     assert readout._parts[0].device.type == "meta"
+
+
+# ------------------------------------------------- the decision, on its own
+
+
+def _decider(tmp: Path, model: nn.Module) -> Any:
+    from nanrunbook.capture.facts import LoopFacts
+    from nanrunbook.capture.torch.replay import leaf
+    from nanrunbook.capture.torch.sentinel._capture import StepObjects
+    from nanrunbook.capture.torch.sentinel._decide import StepDecider
+    from nanrunbook.capture.torch.sentinel._ranks import Ranks
+
+    stated = facts("decider", tmp)
+    loop = LoopFacts.of(
+        run_id=stated["run_id"],
+        incident_owner="ml-oncall",
+        checkpoint=stated["checkpoint"],
+        data=stated["data"],
+        objective=stated["objective"],
+        loader_cursor=None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    objects = StepObjects(model, optimizer, None, None, None, mse, leaf)
+    return StepDecider(
+        objects=objects,
+        facts=loop,
+        ranks=Ranks(None),
+        policy="hold",
+        transient="hold",
+        thresholds=Thresholds(sample_every=0),
+        incident_dir=tmp / "incident",
+        local=None,
+        sharded=False,
+        snapshot=None,
+        telemetry=None,
+        capture_steps=frozenset(),
+    )
+
+
+def _step(model: nn.Module, number: int, batch: dict[str, torch.Tensor]) -> Any:
+    from nanrunbook.capture.torch.replay import Autocast, MicroBatch, OutputExtremes, RngState
+    from nanrunbook.capture.torch.sentinel._snapshot import Buffers
+    from nanrunbook.capture.torch.sentinel._steps import StepRecord
+
+    step = StepRecord(number, 0.0, Buffers(model), None, outputs=OutputExtremes(model))
+    step.micro.append(MicroBatch(dict(batch), RngState.now((), taken_live=True), Autocast.now()))
+    loss = mse(model, batch)
+    loss.backward()
+    step.losses.append(loss.detach())
+    return step
+
+
+def test_the_decision_is_an_object_given_each_step_that_returns_its_decision(
+    tmp_path: Path,
+) -> None:
+    """The decider is constructed with what it needs and given the step (no
+    Sentinel, no mixin): a finite step goes on and, once updated, is the
+    pending one; a NaN loss holds with the step's bundle captured through
+    one StepCapture request."""
+    from nanrunbook.capture.incident import SentinelHold
+    from nanrunbook.capture.torch.sentinel._decide import Decision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    decider = _decider(tmp_path, model)
+    first = _step(model, 1, regression_batch(1))
+    assert decider.decide(first, scaler_path=False) == Decision(update=True, scaler_skips=False)
+    assert not first.stood_down and decider.pending is None
+    decider.objects.optimizer.step()
+    decider.updated()
+    assert decider.pending is first
+    bad = regression_batch(2)
+    bad["x"][0, 0] = float("nan")
+    second = _step(model, 2, bad)
+    with pytest.raises(SentinelHold) as held:
+        decider.decide(second, scaler_path=False)
+    assert second.stood_down and held.value.step == 2 and held.value.stage == "input"
+    assert held.value.bundle == tmp_path / "incident" / "decider" / "2"
+    assert decider.last_known_good == held.value.last_known_good

@@ -60,7 +60,7 @@ def test_a_sampled_step_keeps_one_parameter_delta_at_a_time(tmp_path: Path) -> N
     extra = sampled - plain
     assert params <= extra <= params + 3 * largest, (extra / params, plain, sampled)
     # The measurement is the exact max abs of the update all the same.
-    pending = sentinel._pending
+    pending = sentinel._decider.pending
     assert pending is not None and pending.update_max is not None
     assert pending.update_max[0] == ["F32"]
     sentinel.close()

@@ -53,13 +53,13 @@ def counts_violations(counts: Counts, path: str) -> list[Violation]:
     values = (counts.elements, counts.finite, counts.nan, counts.posinf, counts.neginf)
     if not all(is_integer(v) and v >= 0 for v in values):
         return [Violation("COUNTS_NOT_RECONCILED", path, "every count is an integer >= 0")]
-    if counts.finite + counts.nan + counts.posinf + counts.neginf != counts.elements:
+    if counts.finite + counts.nonfinite != counts.elements:
         return [
             Violation(
                 "COUNTS_NOT_RECONCILED",
                 path,
                 f"finite + nan + posinf + neginf = "
-                f"{counts.finite + counts.nan + counts.posinf + counts.neginf}, "
+                f"{counts.finite + counts.nonfinite}, "
                 f"elements = {counts.elements}",
             )
         ]

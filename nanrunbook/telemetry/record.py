@@ -54,6 +54,7 @@ import orjson
 
 from nanrunbook.contract import NEAR_MAX_BITS
 from nanrunbook.dtypes import DTYPES
+from nanrunbook.records import EarlyWarning, nonfinite_count
 
 __all__ = [
     "COMMON_LINE",
@@ -90,10 +91,8 @@ HEADROOM_SOURCES: tuple[HeadroomSource, ...] = get_args(HeadroomSource)
 _CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
-@dataclass(frozen=True)
-class TelemetryWarning:
-    code: str
-    message: str
+# A line's warning is the one warning record, where its line's step says where.
+TelemetryWarning = EarlyWarning
 
 
 # The three classes below have no __slots__: the parser's common path fills an
@@ -115,7 +114,7 @@ class GradientStats:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return nonfinite_count(self)
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class UpdateStats:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return nonfinite_count(self)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ import orjson
 
 from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.exits import Exit
-from nanrunbook.records import origin_of
+from nanrunbook.records import ONE_RANK, origin_of
 from nanrunbook.telemetry._early import DEFAULT_LIMITS, SIGNALS, Divergence
 from nanrunbook.telemetry.reader import BadLine, IncompleteLine
 from nanrunbook.telemetry.record import (
@@ -140,7 +140,7 @@ class NonFiniteStep:
     rank: int  # the first origin rank
     part: str  # its part: loss:nan, grad:posinf, update:neginf...
     origin_ranks: tuple[int, ...] = ()  # the ranks at the earliest stage (spec section 11)
-    origin: str = "ONE_RANK"  # ONE_RANK, SOME_RANKS or ALL_RANKS
+    origin: str = ONE_RANK  # ONE_RANK, SOME_RANKS or ALL_RANKS (records.ORIGINS)
     parts: tuple[tuple[int, str], ...] = ()  # (rank, part) of every rank non-finite there
 
 

@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nanrunbook.dtypes import DTYPES, DType, FloatFormat
-from nanrunbook.records import Counts, Extremes, frozen_records
+from nanrunbook.records import Counts, Extremes, frozen_records, nonfinite_count
 
 __all__ = [
     "BATCHABLE",
@@ -96,7 +96,7 @@ class Tally:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return nonfinite_count(self)
 
     @property
     def counts(self) -> Counts:
@@ -474,13 +474,24 @@ class Counter:
 
     # -- results --------------------------------------------------------------------
 
+    @property
+    def nan(self) -> int:
+        return self._nan
+
+    @property
+    def posinf(self) -> int:
+        return self._posinf
+
+    @property
+    def neginf(self) -> int:
+        return self._neginf
+
     def result(self) -> Tally:
-        nonfinite = self._nan + self._posinf + self._neginf
         extremes = self.extremes()
         max_abs = None if extremes is None else extremes.max_abs
         return Tally(
             elements=self._elements,
-            finite=self._elements - nonfinite,
+            finite=self._elements - nonfinite_count(self),
             nan=self._nan,
             posinf=self._posinf,
             neginf=self._neginf,

@@ -28,7 +28,7 @@ from nanrunbook.contract import (
 from nanrunbook.errors import Violation
 from nanrunbook.exits import Exit
 from nanrunbook.manifest.declared import Declared
-from nanrunbook.records import origin_of
+from nanrunbook.records import NO_ORIGIN, ORIGINS, origin_of
 from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report, path_text, rejection_document, report_document
 
@@ -51,7 +51,6 @@ __all__ = [
 
 SET_REPORT_FORMAT = "nanrunbook-set-report/1"
 REJECTED = "REJECTED"
-ORIGINS = ("ONE_RANK", "SOME_RANKS", "ALL_RANKS", "NONE")
 # Missing ranks are listed one by one up to this many; past it (no real job is
 # that large, but world_size is any integer >= 1) runs are written first-last,
 # so the answer stays bounded.
@@ -254,7 +253,7 @@ def judge_set(
         decision = REJECTED
         violations += _incomplete(members, world_size, missing)
     stage, origin_ranks, origin = (
-        _origin(holds, world_size) if decision == HOLD else (None, (), "NONE")
+        _origin(holds, world_size) if decision == HOLD else (None, (), NO_ORIGIN)
     )
     action = {HOLD: ACTIONS[stage] if stage else None, CONTINUE: NO_NONFINITE_ACTION}
     return IncidentSet(

@@ -269,7 +269,8 @@ def early_warnings(
         if stage.stage == _GRADIENT_STAGE:
             warned += _underflow_warnings(tensor, limits, scale)
         for code, message in warned:
-            found.append(EarlyWarning(code, stage.stage, tensor.entry.name, index, message))
+            name = tensor.entry.name
+            found.append(EarlyWarning(code, message, stage=stage.stage, tensor=name, index=index))
     return tuple(found)
 
 

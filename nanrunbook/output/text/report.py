@@ -413,7 +413,8 @@ def _warnings_block(console: Any, report: Report, shown: int, *, lines: int = 0)
         grid.add_row(alone.warning, "this bundle alone: see incident set, above")
     width = console.width - 2 - codes - 2  # indent, code, padding
     for warning in warnings[:shown]:
-        where = Text.assemble((f"{warning.stage} ", "dim"), warning.tensor, f": {warning.message}")
+        tensor = warning.tensor or ""  # a bundle's warning always names its tensor
+        where = Text.assemble((f"{warning.stage} ", "dim"), tensor, f": {warning.message}")
         grid.add_row(warning.code, _at_most(console, where, width, lines) if lines else where)
     hidden = len(warnings) - shown
     rest = [Text(f"... {hidden} more (all in --format json)")] if hidden > 0 else []

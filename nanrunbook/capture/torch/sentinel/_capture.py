@@ -36,7 +36,7 @@ from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.errors import EvidenceRejected
 from nanrunbook.verdict.report import Report
 
-__all__ = ["Captured", "StepObjects", "capture_step"]
+__all__ = ["Captured", "StepCapture", "StepObjects", "capture_step"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 
@@ -54,6 +54,27 @@ class StepObjects:
     choose: Callable[[str, Any], bool]
     compiled: bool = False  # the loop's model is torch.compile'd: the replay runs eagerly
     memory: ReplayMemory = "auto"  # the replay's path: default, offload, or chosen by free memory
+
+
+@dataclass(frozen=True)
+class StepCapture:
+    """One capture's request, for :func:`capture_step` and the sharded one alike:
+    the loop's objects and statement, the step, where and as whom its bundle goes,
+    and how the step was held."""
+
+    objects: StepObjects
+    facts: LoopFacts
+    step: StepRecord
+    last_known_good: Mapping[str, Any]
+    root: Path  # the incident directory
+    rank: int | None  # the job's rank (its member name), None without a process group
+    attempt: int | None = None  # the incident directory's attempt; None: the first free
+    topology: Mapping[str, Any] | None = None  # more of the topology item: the voting group's
+    recovery: Mapping[str, Any] | None = None  # the checkpoint item's detail (verified/stated)
+    peer: bool = False  # held because another rank's values went non-finite
+    policy: str = "hold"  # what a NOT_REPRODUCED hold does (hold or rerun), recorded
+    capsule: bool = True  # write the step's capsule (before any update: the pre-step state)
+    requested: bool = False  # a capture_steps step that goes on, not a hold (its log says so)
 
 
 @dataclass(frozen=True)
@@ -167,35 +188,12 @@ def stated_binding(
     return given
 
 
-def capture_step(
-    objects: StepObjects,
-    facts: LoopFacts,
-    record: StepRecord,
-    last_known_good: Mapping[str, Any],
-    root: Path,
-    rank: int | None,
-    attempt: int | None = None,
-    topology: Mapping[str, Any] | None = None,
-    *,
-    peer: bool = False,
-    policy: str = "hold",
-    recovery: Mapping[str, Any] | None = None,
-    capsule: bool = True,
-    requested: bool = False,
-) -> Captured:
-    """Replay ``record`` on copies of the real objects (which must hold the
-    pre-step state), write its bundle (as ``rank`` of the job, into the
-    incident directory's ``attempt``, default the first free; ``topology``: more
-    of the topology item, the voting group's rank and size), check it. Never
-    raises: a capture that fails is reported, and the hold stands without it.
-    ``peer``: the step holds because another rank's values went non-finite;
-    ``policy``: what a NOT_REPRODUCED hold does (``hold`` or ``rerun``), recorded.
-    ``recovery``: detail fields for the checkpoint item (whether the last
-    known-good state was verified by the tool or stated by the loop).
-    ``capsule``: write the step's capsule into its bundle (called before any
-    update, at a hold or at a ``capture_steps`` step's decision, the real state
-    is the pre-step state). ``requested``: a ``capture_steps`` step that goes
-    on, not a hold (its log line says so)."""
+def capture_step(request: StepCapture) -> Captured:
+    """Replay the request's step on copies of the real objects (which must hold
+    the pre-step state), write its bundle, check it (see :class:`StepCapture`).
+    Never raises: a capture that fails is reported, and the hold stands without it."""
+    objects, facts, record = request.objects, request.facts, request.step
+    last_known_good, root, rank = request.last_known_good, request.root, request.rank
     recipe = StepRecipe(
         compute_loss=objects.compute_loss,
         micro_batches=tuple(record.micro),
@@ -226,9 +224,9 @@ def capture_step(
             "model": model_item(objects.model, objects.optimizer),
             "scheduler": scheduler_binding(objects.scheduler),
         }
-        if topology is not None:
-            derived["topology"] = {**topology_binding(), **topology}
-        given = stated_binding(facts, record.number, recovery)
+        if request.topology is not None:
+            derived["topology"] = {**topology_binding(), **request.topology}
+        given = stated_binding(facts, record.number, request.recovery)
         inexact = bind(replayed, objects.model, objects.optimizer, given, derived)
         binding = replayed.writer.binding
         changed = facts.changed(record.number)
@@ -239,26 +237,26 @@ def capture_step(
                 CHANGE_FIELD: change.note,
             }
         notes += [f"the replay may not be exact: {why}" for why in inexact if why != COMPILED_LIVE]
-        target, report = write_incident(replayed.writer, facts, record.number, root, rank, attempt)
+        target, report = write_incident(replayed.writer, request)
     except Exception as error:  # the hold must stand whatever the capture hits
         return capture_failed(record.number, error)
-    level = logging.INFO if requested else logging.ERROR  # a step asked for is no incident
-    if requested:
+    level = logging.INFO if request.requested else logging.ERROR  # a step asked for is no incident
+    if request.requested:
         decision = report.decision.decision
         log.info("step %d captured as asked (capture_steps): bundle %s checks %s",
                  record.number, target, decision)  # fmt: skip
     else:
-        log.error("%s", held_line(record.number, target, report, peer=peer))
+        log.error("%s", held_line(record.number, target, report, peer=request.peer))
     for note in notes:
         log.log(level, "step %d: %s", record.number, note)
     reproduced = Reproduction.compare(
-        live_sight(record, peer=peer),
+        live_sight(record, peer=request.peer),
         replay_sight(report, replayed.loss_bits),
         **where_it_ran(objects.model, rank),
-        policy=policy,
+        policy=request.policy,
     )
     log.log(level, "step %d: %s", record.number, reproduced.line())
-    if not capsule:
+    if not request.capsule:
         return Captured(target, report, None, tuple(notes), reproduced)
     if changed:  # the run's own change (prove's) may live in its compute_loss
         why = "a step under a change the run made has no capsule: the entry would not replay it"
@@ -287,17 +285,13 @@ def capture_step(
     return Captured(target, report, None, tuple(notes), reproduced, written, capsule_error)
 
 
-def write_incident(
-    writer: BundleWriter,
-    facts: LoopFacts,
-    step: int,
-    root: Path,
-    rank: int | None,
-    attempt: int | None,
-) -> tuple[Path, Report]:
-    """Write and check step ``step``'s bundle at its place below the incident
-    directory ``root``: where it is and its report."""
-    target = incident_bundle_path(root, facts.run_id, step, rank, attempt)
+def write_incident(writer: BundleWriter, request: StepCapture) -> tuple[Path, Report]:
+    """Write and check the request's bundle at its place below the incident
+    directory: where it is and its report."""
+    number = request.step.number
+    target = incident_bundle_path(
+        request.root, request.facts.run_id, number, request.rank, request.attempt
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     return target, writer.write_checked(target)
 

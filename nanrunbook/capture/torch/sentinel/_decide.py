@@ -5,7 +5,13 @@ computed, the scaler's found_inf, or a fused norm), the previous update's flag
 and, on a sampled step, exact magnitudes. From them an :class:`Outcome`:
 update, let the GradScaler skip (its probing), skip or hold (non-finite loss or
 gradients), or roll back the previous update. Under several ranks the outcome
-is agreed first. A mixin of :class:`~.sentinel.Sentinel`, whose state it uses.
+is agreed first.
+
+:class:`StepDecider` owns the decision's state (the step whose update runs, the
+one whose flag is unread, the early warnings, the snapshot, the warnings
+carried to the next line, the telemetry file, the last known-good state) and is
+given each step to decide on; :class:`Decision` is what the Sentinel's
+wrappers act on. The Sentinel constructs it and keeps none of that state.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,7 +39,13 @@ from nanrunbook.capture.telemetry import (
     norm_overflow_alerts,
 )
 from nanrunbook.capture.torch._convert import safetensors_dtype
-from nanrunbook.capture.torch.sentinel._capture import Captured, StepObjects, capture_step
+from nanrunbook.capture.torch.replay import add_weight, heaviest
+from nanrunbook.capture.torch.sentinel._capture import (
+    Captured,
+    StepCapture,
+    StepObjects,
+    capture_step,
+)
 from nanrunbook.capture.torch.sentinel._checks import (
     Counted,
     Readout,
@@ -50,63 +63,96 @@ from nanrunbook.capture.torch.sentinel._snapshot import Buffers, StateSnapshot, 
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code
 
-__all__ = ["Decisions"]
+__all__ = ["Decision", "StepDecider", "scaler_found_inf"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 GO, STOP = True, False
 
 
-class Decisions:
-    """The per-step decision; the attributes it uses are the Sentinel's."""
+@dataclass(frozen=True)
+class Decision:
+    """What the Sentinel's wrappers do with a decided step."""
 
-    # Set by Sentinel.__init__ (declared for readers and type checkers).
-    model: Any
-    optimizer: Any
-    scaler: Any
-    loss_scale: float | None
-    policy: str
-    transient: str
-    thresholds: Thresholds
-    facts: LoopFacts
-    objects: StepObjects
-    ranks: Ranks
-    incident_dir: Path
-    last_known_good: dict[str, Any]
-    last_known_good_recovery: str  # "verified" (a point the tool verified) or "stated"
-    capture_steps: frozenset[int]  # steps whose bundle is captured whatever the verdict
-    captured: dict[int, Path]  # their bundles
-    last_step: int
-    _params: list[Any]
-    _local: LocalGradients | OwnGradients | None
-    sharded: bool
-    _grad_dtype: str | None
-    _step: StepRecord | None
-    _pending: StepRecord | None
-    _decided: StepRecord | None
-    _skip_update: bool
-    _skip_scheduler: bool
-    _held: bool
-    _early: EarlyWarnings
-    _snapshot: StateSnapshot | None
-    _telemetry: TelemetryFile | None
-    _carry: list[TelemetryWarning]
-    _logged_codes: set[str]
-    _sample_next: bool
+    update: bool  # optimizer.step() runs (GO) or is skipped (STOP)
+    scaler_skips: bool  # the GradScaler found inf: it skips optimizer.step() itself
+
+
+class StepDecider:
+    """The per-step decision and the state only it uses; the Sentinel gives it
+    each step (:meth:`decide`), the update's end (:meth:`updated`) and the
+    moments the last update must be known finite (:meth:`resolve_pending`)."""
+
+    def __init__(
+        self,
+        *,
+        objects: StepObjects,
+        facts: LoopFacts,
+        ranks: Ranks,
+        policy: str,
+        transient: str,
+        thresholds: Thresholds,
+        incident_dir: Path,
+        local: LocalGradients | OwnGradients | None,
+        sharded: bool,
+        snapshot: StateSnapshot | None,
+        telemetry: TelemetryFile | None,
+        capture_steps: frozenset[int],
+    ) -> None:
+        self.objects, self.facts, self.ranks = objects, facts, ranks
+        self.policy, self.transient, self.thresholds = policy, transient, thresholds
+        self.incident_dir = incident_dir
+        self.capture_steps = capture_steps  # steps whose bundle is captured whatever the verdict
+        self.captured: dict[int, Path] = {}  # their bundles
+        self.last_known_good: dict[str, Any] = dict(facts.start)
+        self.last_known_good_recovery = "stated"  # "verified": a point the tool verified
+        self.pending: StepRecord | None = None  # updated, its flag not read yet
+        self._decided: StepRecord | None = None  # decided, its update running
+        self._params = [p for g in objects.optimizer.param_groups for p in g["params"]]
+        weights: dict[str, int] = {}
+        for param in self._params:
+            add_weight(weights, param)
+        self._grad_dtype = heaviest(weights)
+        self._local, self.sharded = local, sharded  # sharded: FSDP2, the checks read local shards
+        self._snapshot, self._telemetry = snapshot, telemetry
+        self._held = False  # an agreed hold: no rank votes again until the next step
+        self._early = EarlyWarnings(thresholds)
+        self._carry: list[TelemetryWarning] = []  # warnings for the next line
+        self._logged_codes: set[str] = set()
+        self._sample_next = False  # the output's headroom is below watch_output_bits
+
+    # ------------------------------------------------------- the Sentinel's
+
+    def sampled(self, number: int) -> bool:
+        """Step ``number`` measures exact magnitudes: every ``sample_every`` steps,
+        and every step while the output's headroom is low (read at the last step)."""
+        every = self.thresholds.sample_every
+        return every > 0 and (number % every == 0 or self._sample_next)
+
+    def warn_next(self, warning: TelemetryWarning) -> None:
+        """On the line of the last step when it is still unwritten, else the next's."""
+        (self.pending.warnings if self.pending is not None else self._carry).append(warning)
+
+    def known_good(self, state: dict[str, Any], recovery: str) -> None:
+        """The last known-good state from now on, ``stated`` by the loop or
+        ``verified`` by the tool."""
+        self.last_known_good, self.last_known_good_recovery = state, recovery
+
+    def close(self) -> None:
+        if self._telemetry is not None:
+            self._telemetry.close()
 
     # ------------------------------------------------------------- the read
 
-    def _decide(self, *, scaler_path: bool) -> bool:
+    def decide(self, step: StepRecord, *, scaler_path: bool) -> Decision:
         """The step's one read (and, with several ranks, its one collective), then:
-        go on with the update, or not."""
-        step = self._step
-        if step is None or not step.micro:
-            raise RuntimeError(
-                "optimizer.step() without sentinel.forward(batch) since the last step:"
-                " route the loop's forward through the sentinel"
-            )
-        self._step, self._decided, self.last_step = None, step, step.number
+        go on with the update, or not (a hold raises SentinelHold)."""
+        self._decided = step
+        update = self._decide(step, scaler_path)
+        return Decision(update, step.grads.found_inf is True)
+
+    def _decide(self, step: StepRecord, scaler_path: bool) -> bool:
         self._held = False
-        previous, self._pending = self._pending, None
+        previous, self.pending = self.pending, None
         readout = Readout()
         grads: list[Any] = []
         flags: list[Any] = []
@@ -115,7 +161,7 @@ class Decisions:
             grads = gradients(self._params)
             if self.sharded:
                 grads = local_view(grads)  # each rank checks its shards: no collective
-            found_inf = self._found_inf() if scaler_path else None
+            found_inf = scaler_found_inf(self.objects) if scaler_path else None
             flags = self._pack(readout, step, previous, grads, found_inf)
         except Exception as error:
             if not self.ranks.several:
@@ -165,7 +211,7 @@ class Decisions:
         the ones its forward wrote (a BatchNorm's running statistics of this step).
         Its capsule is written now, while the real state is still the pre-step
         state (the update comes after the decision)."""
-        forward = Buffers(self.model)
+        forward = Buffers(self.objects.model)  # the loop model's own buffers
         step.buffers.restore()
         try:
             captured = self._capture_with(
@@ -182,25 +228,33 @@ class Decisions:
 
     def _capture_with(
         self,
-        capture: Callable[..., Captured],
+        capture: Callable[[StepCapture], Captured],
         step: StepRecord,
         attempt: int | None,
-        **options: Any,
+        *,
+        peer: bool = False,
+        policy: str = "hold",
+        capsule: bool = True,
+        requested: bool = False,
     ) -> Captured:
         """``capture`` (``capture_step`` or the sharded one) of ``step`` into this
         run's incident directory as this rank, with the recovery detail."""
-        return capture(
-            self.objects,
-            self.facts,
-            step,
-            self.last_known_good,
-            self.incident_dir,
-            self.ranks.member,
-            attempt,
-            self._topology(),
+        request = StepCapture(
+            objects=self.objects,
+            facts=self.facts,
+            step=step,
+            last_known_good=self.last_known_good,
+            root=self.incident_dir,
+            rank=self.ranks.member,
+            attempt=attempt,
+            topology=self._topology(),
             recovery={"last_known_good_recovery": self.last_known_good_recovery},
-            **options,
+            peer=peer,
+            policy=policy,
+            capsule=capsule,
+            requested=requested,
         )
+        return capture(request)
 
     def _fail(
         self,
@@ -289,22 +343,18 @@ class Decisions:
         step.pack_losses(readout)
         flags += step.losses
         step.pack_outputs(readout)
-        if self.scaler is not None:
-            readout.add("scale", self.scaler._get_scale_async())
+        if self.objects.scaler is not None:
+            readout.add("scale", self.objects.scaler._get_scale_async())
         step.sampled_names = step.pack_sampled(readout, grads) if step.sampler else []
         return flags
-
-    def _found_inf(self) -> Any:
-        per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
-        flags = list(per_device.values())
-        return torch.stack(joined(flags)).sum() if flags else None
 
     def _read_step(
         self, step: StepRecord, values: dict[str, list[float]], grads: list[Any], count: bool
     ) -> None:
         step.loss_values = values["loss"]
-        step.scale = values["scale"][0] if "scale" in values else self.loss_scale
-        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
+        step.scale = values["scale"][0] if "scale" in values else self.objects.loss_scale
+        groups = self.objects.optimizer.param_groups
+        group = groups[0] if groups else {}
         lr = group.get("lr")
         step.lr = float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) else None
         findings = GradFindings()
@@ -398,7 +448,7 @@ class Decisions:
         """A GradScaler overflow is its designed probing; it holds only after
         ``backoff_hold`` in a row or below the scale floor."""
         assert step.scale is not None
-        after = step.scale * self.scaler.get_backoff_factor()
+        after = step.scale * self.objects.scaler.get_backoff_factor()
         backoffs = self._early.backoffs + 1
         if backoffs >= self.thresholds.backoff_hold:
             return Outcome(
@@ -413,8 +463,8 @@ class Decisions:
         step.warnings += divergence_alerts(self._early, "loss", step.number, step.loss)
         if agreed.action == "healthy":
             return self._healthy(step)
-        if self.scaler is not None and step.scale is not None and step.grads.found_inf:
-            after = step.scale * self.scaler.get_backoff_factor()
+        if self.objects.scaler is not None and step.scale is not None and step.grads.found_inf:
+            after = step.scale * self.objects.scaler.get_backoff_factor()
             step.warnings += self._early.scaler(True, step.scale, after)
         if agreed.action == "probe":
             step.warnings += self._early.skipped(True)
@@ -429,7 +479,7 @@ class Decisions:
         step.warnings += self._early.gradient_norm(grads.norm)
         step.warnings += divergence_alerts(self._early, "grad_norm", step.number, grads.norm)
         step.warnings += magnitude_alerts("gradients", [(c.max_abs, c.dtype) for c in grads.counts])
-        if step.scale is not None and self.scaler is not None:
+        if step.scale is not None and self.objects.scaler is not None:
             step.warnings += self._early.scaler(False, step.scale, step.scale)
         step.warnings += self._early.skipped(False)
         step.updated = [p for p in self._params if p.grad is not None]
@@ -467,9 +517,9 @@ class Decisions:
 
     def _stand_down(self, step: StepRecord) -> None:
         step.buffers.restore()
-        if self.scaler is not None:
-            reset_scaler_step(self.scaler, self.optimizer)  # the other optimizers' stand
-        self._skip_update = self._skip_scheduler = True
+        if self.objects.scaler is not None:  # the other optimizers' stand
+            reset_scaler_step(self.objects.scaler, self.objects.optimizer)
+        step.stood_down = True
 
     def _hold(
         self,
@@ -487,17 +537,8 @@ class Decisions:
         self._held = True
         several = self.ranks.several
         rerun = self.transient == "rerun" and not several  # one process: no second vote
-        capture = capture_step
-        if self.sharded:  # no copy of an FSDP2 module: the live held step's evidence
-
-            def capture(*args: Any, **kwargs: Any) -> Any:
-                # No replay on copies, so no reproduction to judge (the policy is
-                # moot); every rank writes the one sharded capsule in it.
-                kwargs.pop("policy", None)
-                return capture_sharded_step(
-                    *args, **kwargs, own_gradients=lambda: step.grads.local_finite
-                )
-
+        # No copy of an FSDP2 module: the live held step's evidence.
+        capture = capture_sharded_step if self.sharded else capture_step
         captured = self._capture_with(
             capture,
             step,
@@ -559,18 +600,20 @@ class Decisions:
 
     # ----------------------------------------------------------- the update
 
-    def _after_update(self) -> None:
+    def updated(self) -> None:
+        """The decided step's update ran: its flag is read at the next decision."""
         step = self._decided
         if step is None:
             return
         step.watch_update(step.updated, step.before)
         step.before = None
-        self._pending = step
+        self.pending = step
 
-    def _resolve_pending(self, checkpointing: str | None = None) -> None:
+    def resolve_pending(self, last_step: int, checkpointing: str | None = None) -> None:
         """Read the last update's flag now (one read; with several ranks, one
-        vote, which every rank casts at the same call); a non-finite one holds."""
-        previous, self._pending = self._pending, None
+        vote, which every rank casts at the same call); a non-finite one holds.
+        ``last_step``: the run's last decided step."""
+        previous, self.pending = self.pending, None
         if self._held or (previous is None and not self.ranks.several):
             return  # after an agreed hold every rank is here without a vote
         readout = Readout()
@@ -599,7 +642,7 @@ class Decisions:
         agreed = self.ranks.agree(proposal, vote.device) if voted else proposal
         if previous is None:  # a rank that had no step to check: the others hold
             self._held = True
-            key = f"{self.facts.run_id}/{self.last_step}.{agreed.previous_attempt}"
+            key = f"{self.facts.run_id}/{last_step}.{agreed.previous_attempt}"
             self.ranks.origin(None, None, key)
             return
         note = f"checkpoint {checkpointing} was saved after it" if checkpointing else ""
@@ -714,6 +757,14 @@ class Decisions:
             reproduced=reproduced,
         )
         self._telemetry.append(record)
+
+
+def scaler_found_inf(objects: StepObjects) -> Any:
+    """The GradScaler's found_inf of the loop's optimizer, its devices' flags
+    summed where the read is made (None: no flag yet)."""
+    states = objects.scaler._per_optimizer_states[id(objects.optimizer)]
+    flags = list(states["found_inf_per_device"].values())
+    return torch.stack(joined(flags)).sum() if flags else None
 
 
 def _dtype_names(grads: list[Any]) -> list[str]:

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanrunbook.capture.facts import LoopFacts
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
 from nanrunbook.capture.torch.capsule._sharded import write_sharded_capsule
@@ -49,6 +47,7 @@ from nanrunbook.capture.torch.replay import (
 )
 from nanrunbook.capture.torch.sentinel._capture import (
     Captured,
+    StepCapture,
     StepObjects,
     capture_failed,
     held_line,
@@ -379,26 +378,16 @@ EVIDENCE = (
 )
 
 
-def capture_sharded_step(
-    objects: StepObjects,
-    facts: LoopFacts,
-    record: StepRecord,
-    last_known_good: Mapping[str, Any],
-    root: Path,
-    rank: int | None,
-    attempt: int | None = None,
-    topology: Mapping[str, Any] | None = None,
-    *,
-    peer: bool = False,
-    recovery: Mapping[str, Any] | None = None,
-    own_gradients: Callable[[], bool | None] = lambda: None,
-) -> Captured:
+def capture_sharded_step(request: StepCapture) -> Captured:
     """:func:`~._capture.capture_step` for a fully sharded model: this rank's
-    bundle of the held step (see the module's docstring), written and checked.
-    Every rank calls it at the same agreed hold (the forward's all-gathers).
-    Never raises: a capture that fails is reported and the hold stands.
-    ``own_gradients``: whether this rank's gradients were finite before the
-    reduce-scatter (None: not measured)."""
+    bundle of the request's held step (see the module's docstring), written and
+    checked. Every rank calls it at the same agreed hold (the forward's
+    all-gathers). Never raises: a capture that fails is reported and the hold
+    stands. No replay on copies, so no reproduction to judge (the request's
+    ``policy`` is moot); under several ranks every rank writes the one sharded
+    capsule into rank 0's bundle."""
+    objects, facts, record = request.objects, request.facts, request.step
+    last_known_good, root = request.last_known_good, request.root
     owner = facts.incident_owner
     if record.updated:
         # A non-finite update found after it ran (rolled back): its gradients were
@@ -450,7 +439,7 @@ def capture_sharded_step(
         )
         gradients = [(n, p.grad) for n, p in named if p.grad is not None]
         source = "param.grad local shards after FSDP2's reduce-scatter, before clipping: the live held step's, not replayed"
-        own = own_gradients()
+        own = record.grads.local_finite  # this rank's before the reduce-scatter; None: unmeasured
         if own is not None:
             source += (
                 "; this rank's own gradients were finite before the reduce-scatter"
@@ -477,12 +466,13 @@ def capture_sharded_step(
             "model": _model_item(objects.model),
             "scheduler": scheduler_binding(objects.scheduler),
         }
-        derived["topology"] = {**topology_binding(), **(topology or {}), "sharding": "fsdp2"}
+        topology = request.topology or {}
+        derived["topology"] = {**topology_binding(), **topology, "sharding": "fsdp2"}
         inexact = bind(
             replayed,
             _LocalModel([q for _, q in params]),
             optimizer,
-            stated_binding(facts, record.number, recovery),
+            stated_binding(facts, record.number, request.recovery),
             derived,
         )
         environment = writer.binding["environment"]
@@ -504,11 +494,11 @@ def capture_sharded_step(
             " the live gradient shards (clipped as the loop's clip_grad_norm_ would): state"
             " after, and the update it applied",
         )
-        target, report = write_incident(writer, facts, record.number, root, rank, attempt)
+        target, report = write_incident(writer, request)
     except Exception as error:  # the hold must stand whatever the capture hits
         captured = capture_failed(record.number, error)
     else:
-        log.error("%s", held_line(record.number, target, report, peer=peer))
+        log.error("%s", held_line(record.number, target, report, peer=request.peer))
         captured = Captured(target, report, None, tuple(notes))
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return captured

@@ -39,12 +39,7 @@ import torch
 from nanrunbook.capture.facts import Cursor, LoopFacts, recovery_point
 from nanrunbook.capture.incident import SentinelHold, rank_member
 from nanrunbook.capture.recovery import RecoveryPoint
-from nanrunbook.capture.telemetry import (
-    EarlyWarnings,
-    TelemetryFile,
-    Thresholds,
-    alert,
-)
+from nanrunbook.capture.telemetry import TelemetryFile, Thresholds, alert
 from nanrunbook.capture.torch._copies import clone_batch, eager_module
 from nanrunbook.capture.torch._offload import REPLAY_MEMORY, ReplayMemory
 from nanrunbook.capture.torch.replay import (
@@ -53,12 +48,10 @@ from nanrunbook.capture.torch.replay import (
     MicroBatch,
     OutputExtremes,
     RngState,
-    add_weight,
-    heaviest,
     leaf,
 )
 from nanrunbook.capture.torch.sentinel._capture import StepObjects
-from nanrunbook.capture.torch.sentinel._decide import STOP, Decisions
+from nanrunbook.capture.torch.sentinel._decide import StepDecider
 from nanrunbook.capture.torch.sentinel._fsdp import (
     OwnGradients,
     is_fully_sharded,
@@ -76,7 +69,6 @@ from nanrunbook.capture.torch.sentinel._snapshot import (
 )
 from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
 from nanrunbook.contract import SCALE_RANGE, is_contract_scale
-from nanrunbook.telemetry.record import TelemetryWarning
 
 __all__ = ["Policy", "Sentinel"]
 
@@ -108,7 +100,36 @@ def _static_scale(loss_scale: float | None, scaler: Any) -> float | None:
     return float(loss_scale)
 
 
-class Sentinel(Decisions):
+def _local_gradients(
+    model: Any, sharded: bool, ranks: Ranks
+) -> LocalGradients | OwnGradients | None:
+    if sharded and ranks.distributed:
+        try:
+            return OwnGradients(model)
+        except (RuntimeError, ValueError) as error:  # several parameter groups a module
+            log.info("gradients are checked after the reduce-scatter only: %s", error)
+            return None
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    try:
+        return LocalGradients(model)
+    except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
+        log.info("gradients are checked after the all-reduce only: %s", error)
+        return None
+
+
+def _telemetry_path(
+    given: str | Path | None, incident_dir: Path, facts: LoopFacts, ranks: Ranks
+) -> Path:
+    if given is not None:
+        return Path(given)
+    name = "telemetry.jsonl"
+    if ranks.member is not None:  # the job's rank: unique across its groups
+        name = f"telemetry-{rank_member(ranks.member)}.jsonl"
+    return incident_dir / facts.run_id / name
+
+
+class Sentinel:
     """Watches one model, optimizer (and scaler, scheduler) of a training loop.
 
     ``compute_loss(model, batch)`` is the loop's forward and loss, called by
@@ -190,7 +211,7 @@ class Sentinel(Decisions):
             raise ValueError(f"transient is 'hold' or 'rerun', not {transient!r}")
         if replay_memory not in REPLAY_MEMORY:
             raise ValueError(f"replay_memory is one of {REPLAY_MEMORY}, not {replay_memory!r}")
-        self.facts = LoopFacts.of(
+        facts = LoopFacts.of(
             run_id=run_id,
             incident_owner=incident_owner,
             checkpoint=checkpoint,
@@ -201,14 +222,9 @@ class Sentinel(Decisions):
         self.model, self.optimizer, self.compute_loss = model, optimizer, compute_loss
         self.scaler: Any = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
-        self.loss_scale = _static_scale(loss_scale, self.scaler)
-        self.policy: Policy = policy
-        self.transient: Transient = transient
-        self.thresholds = thresholds or Thresholds()
-        self.incident_dir = Path(incident_dir)
-        self.ranks = Ranks(process_group)
-        self.sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
-        if self.sharded and self.scaler is not None:
+        ranks = Ranks(process_group)
+        sharded = is_fully_sharded(model)  # FSDP2: the checks read local shards
+        if sharded and self.scaler is not None:
             raise ValueError(
                 "a GradScaler under FSDP2 is not supported by the sentinel: use"
                 " MixedPrecisionPolicy with bfloat16, or a static loss_scale"
@@ -216,88 +232,117 @@ class Sentinel(Decisions):
         self.generators = tuple(generators)  # the loop's own torch.Generators, replayed too
         self.host_random = host_random
         replayed, compiled = eager_module(model)
-        self.objects = StepObjects(
+        objects = StepObjects(
             model=replayed,
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=self.scaler,
-            loss_scale=self.loss_scale,
+            loss_scale=_static_scale(loss_scale, self.scaler),
             compute_loss=compute_loss,
             choose=modules or leaf,
             compiled=compiled,
             memory=replay_memory,
         )
-        self._local = self._local_gradients(model)
-        self.capture_steps = frozenset(capture_steps)
-        self.captured: dict[int, Path] = {}
-        self._setup_state(snapshot, telemetry)
-        self._install()
-
-    def _local_gradients(self, model: Any) -> LocalGradients | OwnGradients | None:
-        if self.sharded and self.ranks.distributed:
-            try:
-                return OwnGradients(model)
-            except (RuntimeError, ValueError) as error:  # several parameter groups a module
-                log.info("gradients are checked after the reduce-scatter only: %s", error)
-                return None
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        try:
-            return LocalGradients(model)
-        except (RuntimeError, ValueError) as error:  # the loop has a hook of its own
-            log.info("gradients are checked after the all-reduce only: %s", error)
-            return None
-
-    # ------------------------------------------------------------------ set-up
-
-    def _setup_state(
-        self, snapshot: bool | SnapshotPlace, telemetry: str | Path | Literal[False] | None
-    ) -> None:
-        self.last_known_good: dict[str, Any] = dict(self.facts.start)
-        self.last_known_good_recovery = "stated"  # the loop's word, until a point is verified
+        if snapshot not in (False, True, *SNAPSHOT_PLACES):
+            raise ValueError(f"snapshot is True, False, 'device' or 'host', not {snapshot!r}")
+        incident = Path(incident_dir)
+        self._decider = StepDecider(
+            objects=objects,
+            facts=facts,
+            ranks=ranks,
+            policy=policy,
+            transient=transient,
+            thresholds=thresholds or Thresholds(),
+            incident_dir=incident,
+            local=_local_gradients(model, sharded, ranks),
+            sharded=sharded,
+            snapshot=self._state_snapshot(snapshot),
+            telemetry=None
+            if telemetry is False
+            else TelemetryFile(_telemetry_path(telemetry, incident, facts, ranks)),
+            capture_steps=frozenset(capture_steps),
+        )
         self.last_step = self.facts.start_step  # the last step decided
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        weights: dict[str, int] = {}
-        for param in self._params:
-            add_weight(weights, param)
-        self._grad_dtype = heaviest(weights)
         self._step: StepRecord | None = None  # forward seen, no decision yet
-        self._pending: StepRecord | None = None  # updated, its flag not read yet
-        self._decided: StepRecord | None = None
         # The step was not applied: its scaler.update and its scheduler.step pass.
         self._skip_update = self._skip_scheduler = False
-        self._held = False  # an agreed hold: no rank votes again until the next step
         self._scheduler_per_step = True
         self._scheduler_calls = 0
         self._inside_scaler = False
-        self._carry: list[TelemetryWarning] = []  # warnings for the next line
-        self._logged_codes: set[str] = set()
-        self._early = EarlyWarnings(self.thresholds)
-        if snapshot not in (False, True, *SNAPSHOT_PLACES):
-            raise ValueError(f"snapshot is True, False, 'device' or 'host', not {snapshot!r}")
-        self._sample_next = False  # the output's headroom is below watch_output_bits
-        self._snapshot = (
-            StateSnapshot(
-                self.optimizer,
-                self.scheduler,
-                self.scaler,
-                "host" if snapshot == "host" else "device",
-            )
-            if snapshot
-            else None
-        )
-        self._telemetry = (
-            None if telemetry is False else TelemetryFile(self._telemetry_path(telemetry))
-        )
+        self._scaler_skips = False  # the decided step's GradScaler skips its update itself
         self.closed = False
+        self._install()
 
-    def _telemetry_path(self, given: str | Path | None) -> Path:
-        if given is not None:
-            return Path(given)
-        name = "telemetry.jsonl"
-        if self.ranks.member is not None:  # the job's rank: unique across its groups
-            name = f"telemetry-{rank_member(self.ranks.member)}.jsonl"
-        return self.incident_dir / self.facts.run_id / name
+    # The decision's own state and what it was given, read where the loop reads it.
+
+    @property
+    def facts(self) -> LoopFacts:
+        return self._decider.facts
+
+    @facts.setter
+    def facts(self, restated: LoopFacts) -> None:
+        """A statement restated mid-run (prove's change, said in the bundles from now on)."""
+        self._decider.facts = restated
+
+    @property
+    def objects(self) -> StepObjects:
+        return self._decider.objects
+
+    @property
+    def ranks(self) -> Ranks:
+        return self._decider.ranks
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: the checks read local shards."""
+        return self._decider.sharded
+
+    @property
+    def policy(self) -> Policy:
+        return self._decider.policy  # type: ignore[return-value]
+
+    @property
+    def transient(self) -> Transient:
+        return self._decider.transient  # type: ignore[return-value]
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self._decider.thresholds
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.objects.loss_scale
+
+    @property
+    def incident_dir(self) -> Path:
+        return self._decider.incident_dir
+
+    @property
+    def capture_steps(self) -> frozenset[int]:
+        """Steps whose bundle is captured whatever the verdict."""
+        return self._decider.capture_steps
+
+    @property
+    def captured(self) -> dict[int, Path]:
+        """The bundles of ``capture_steps``' steps, by step."""
+        return self._decider.captured
+
+    @property
+    def last_known_good(self) -> dict[str, Any]:
+        return self._decider.last_known_good
+
+    @property
+    def last_known_good_recovery(self) -> str:
+        """``verified`` (a point the tool verified) or ``stated`` (the loop's word)."""
+        return self._decider.last_known_good_recovery
+
+    # ------------------------------------------------------------------ set-up
+
+    def _state_snapshot(self, snapshot: bool | SnapshotPlace) -> StateSnapshot | None:
+        if not snapshot:
+            return None
+        place: SnapshotPlace = "host" if snapshot == "host" else "device"
+        return StateSnapshot(self.optimizer, self.scheduler, self.scaler, place)
 
     def _install(self) -> None:
         self._intercepts = Intercepts()
@@ -395,12 +440,10 @@ class Sentinel(Decisions):
                 f"checkpoint {checkpoint_id} is the last known-good state as the loop states it;"
                 " the tool verified none of its parts (save_recovery_point does)",
             )
-        # On the line of the step the checkpoint follows, when it is still unwritten.
-        (self._pending.warnings if self._pending is not None else self._carry).append(warning)
+        self._decider.warn_next(warning)  # on the line of the step the checkpoint follows
         self._resolve_pending(checkpointing=checkpoint_id)  # holds on a non-finite update
         if point is not None:
-            self.last_known_good = point
-            self.last_known_good_recovery = "stated"
+            self._decider.known_good(point, "stated")
 
     def save_recovery_point(
         self,
@@ -444,14 +487,13 @@ class Sentinel(Decisions):
         ``load_recovery_point``: its steps then go on from the point's."""
         if self._step is not None:
             raise RuntimeError("resumed_from() between a forward and its optimizer step")
-        fresh = self.last_step == self.facts.start_step and self._pending is None
+        fresh = self.last_step == self.facts.start_step and self._decider.pending is None
         if point.step != self.last_step and not (fresh and point.step > self.last_step):
             raise ValueError(
                 f"point {point.point_id} is step {point.step}, the run is at {self.last_step}"
             )
         self.last_step = point.step  # a fresh sentinel goes on from the point's step
-        self.last_known_good = point.last_known_good
-        self.last_known_good_recovery = "verified"
+        self._decider.known_good(point.last_known_good, "verified")
 
     def close(self) -> None:
         """Check the last update, write its line, and take the wrappers off."""
@@ -475,8 +517,7 @@ class Sentinel(Decisions):
     def _shut(self) -> None:
         self.closed = True
         self._intercepts.remove()
-        if self._telemetry is not None:
-            self._telemetry.close()
+        self._decider.close()
         atexit.unregister(self._at_exit)
 
     def _flush_quietly(self) -> None:
@@ -494,7 +535,7 @@ class Sentinel(Decisions):
     def _on_optimizer_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._inside_scaler or self.closed:
             return original(*args, **kwargs)
-        if self._decide(scaler_path=False) is STOP:
+        if not self._decide(scaler_path=False):
             return None
         result = original(*args, **kwargs)
         self._after_update()
@@ -510,14 +551,14 @@ class Sentinel(Decisions):
         state = self.scaler._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.READY:
             self.scaler.unscale_(optimizer)  # as GradScaler.step would do itself
-        if self._decide(scaler_path=True) is STOP:
+        if not self._decide(scaler_path=True):
             return None
         self._inside_scaler = True
         try:
             result = original(optimizer, *args, **kwargs)
         finally:
             self._inside_scaler = False
-        if self._decided is not None and not self._decided.grads.found_inf:
+        if not self._scaler_skips:
             self._after_update()
         return result
 
@@ -536,6 +577,28 @@ class Sentinel(Decisions):
 
     # ---------------------------------------------------------------- a step
 
+    def _decide(self, *, scaler_path: bool) -> bool:
+        """The forward's step, decided: go on with the update, or not."""
+        step = self._step
+        if step is None or not step.micro:
+            raise RuntimeError(
+                "optimizer.step() without sentinel.forward(batch) since the last step:"
+                " route the loop's forward through the sentinel"
+            )
+        self._step, self.last_step = None, step.number
+        try:
+            decision = self._decider.decide(step, scaler_path=scaler_path)
+        finally:  # a held step stood down too, should the loop go on after the hold
+            self._skip_update = self._skip_scheduler = step.stood_down
+        self._scaler_skips = decision.scaler_skips
+        return decision.update
+
+    def _after_update(self) -> None:
+        self._decider.updated()
+
+    def _resolve_pending(self, checkpointing: str | None = None) -> None:
+        self._decider.resolve_pending(self.last_step, checkpointing)
+
     def _begin(self) -> StepRecord:
         self._scheduler_per_step = (
             self._scheduler_calls > 0 or self.last_step == self.facts.start_step
@@ -543,9 +606,7 @@ class Sentinel(Decisions):
         self._scheduler_calls = 0
         self._skip_update = self._skip_scheduler = False
         number = self.last_step + 1
-        every = self.thresholds.sample_every
-        # Every step while the output's headroom is low (read at the last step).
-        sampled = every > 0 and (number % every == 0 or self._sample_next)
+        sampled = self._decider.sampled(number)
         self._step = StepRecord(
             number=number,
             time=time.time(),

@@ -27,6 +27,7 @@ from nanrunbook.capture.torch.sentinel._checks import (
     nonfinite_flag,
 )
 from nanrunbook.capture.torch.sentinel._snapshot import Buffers
+from nanrunbook.records import nonfinite_count
 from nanrunbook.telemetry.record import (
     ActivationStats,
     GradientStats,
@@ -92,7 +93,7 @@ class GradFindings:
 
     @property
     def nonfinite(self) -> int:
-        return sum(c.nan + c.posinf + c.neginf for c in self.counts)
+        return sum(nonfinite_count(c) for c in self.counts)
 
     def headroom_from(self, grad: GradientStats) -> HeadroomSource | None:
         """What :meth:`telemetry`'s headroom was taken from (None: no headroom)."""
@@ -144,6 +145,7 @@ class StepRecord:
     activations: ActivationStats | None = None
     warnings: list[TelemetryWarning] = field(default_factory=list)
     lr: float | None = None
+    stood_down: bool = False  # nothing of it steps: its scaler.update and scheduler.step pass
     # After the update: its flag (read at the next decision) and exact rows.
     updated: list[Any] = field(default_factory=list)
     before: list[Any] | None = None  # parameters before the update (sampled steps)

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nanrunbook.records import nonfinite_count
+
 __all__ = ["OpKey", "Operation", "Shrink", "ShrinkError", "StepIsFinite", "TensorFacts"]
 
 
@@ -72,7 +74,7 @@ class TensorFacts:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return nonfinite_count(self)
 
     def describe(self) -> str:
         shape = "x".join(str(d) for d in self.shape) or "scalar"
