@@ -105,3 +105,23 @@ def test_another_world_size_or_no_job_is_refused_on_every_rank(
     assert len(lines) == 1 and "this job has 1" in lines[0], one.stderr
     assert "nanrunbook/" not in one.stderr  # no frame of ours
     assert not (tmp_path / "alone").exists() and not (tmp_path / "one").exists()
+
+
+def test_a_change_of_a_sharded_capsule_is_refused_in_one_line(
+    capsule: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from nanrunbook.cli import app
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is started
+    result = CliRunner().invoke(
+        app,
+        ["replay", str(capsule), "--entry", "absent:build", "--change", "lr=0.001",
+         "--out", str(tmp_path / "o")],
+        prog_name="nanrunbook",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "--change is not built for a sharded capsule's replay" in result.output
+    assert len([line for line in result.output.splitlines() if line]) == 1
+    assert not (tmp_path / "o").exists()
