@@ -107,7 +107,7 @@ def test_another_world_size_or_no_job_is_refused_on_every_rank(
     assert not (tmp_path / "alone").exists() and not (tmp_path / "one").exists()
 
 
-def test_a_change_of_a_sharded_capsule_is_refused_in_one_line(
+def test_a_change_or_a_bad_timeout_of_a_sharded_replay_is_refused_in_one_line(
     capsule: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from typer.testing import CliRunner
@@ -115,13 +115,19 @@ def test_a_change_of_a_sharded_capsule_is_refused_in_one_line(
     from nanrunbook.cli import app
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is started
-    result = CliRunner().invoke(
-        app,
-        ["replay", str(capsule), "--entry", "absent:build", "--change", "lr=0.001",
-         "--out", str(tmp_path / "o")],
-        prog_name="nanrunbook",
-    )  # fmt: skip
-    assert result.exit_code == 2, result.output
-    assert "--change is not built for a sharded capsule's replay" in result.output
-    assert len([line for line in result.output.splitlines() if line]) == 1
+
+    def replay(*more: str) -> Any:
+        command = ["replay", str(capsule), "--entry", "absent:build", "--out", str(tmp_path / "o")]
+        return CliRunner().invoke(app, [*command, *more], prog_name="nanrunbook")
+
+    changed = replay("--change", "lr=0.001")
+    monkeypatch.setenv("NANRUNBOOK_REPLAY_TIMEOUT", "soon")
+    late = replay()
+    for result, said in (
+        (changed, "--change is not built for a sharded capsule's replay"),
+        (late, "NANRUNBOOK_REPLAY_TIMEOUT='soon': expected a positive number of seconds"),
+    ):
+        assert result.exit_code == 2, result.output
+        assert said in result.output
+        assert len([line for line in result.output.splitlines() if line]) == 1
     assert not (tmp_path / "o").exists()

@@ -20,6 +20,7 @@ anything is built (a usage error: how it was started).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -71,8 +72,20 @@ REPLAYED = (
     " forward and backward run again on the entry's FSDP2 objects by every rank together"
 )
 
-# How long a rank waits in one of the replay's collectives for the others.
-_TIMEOUT = timedelta(seconds=float(os.environ.get("NANRUNBOOK_REPLAY_TIMEOUT", "300")))
+_TIMEOUT_VARIABLE = "NANRUNBOOK_REPLAY_TIMEOUT"
+
+
+def _timeout() -> timedelta:
+    """How long a rank waits in one of the replay's collectives for the others:
+    ``NANRUNBOOK_REPLAY_TIMEOUT`` seconds, default 300."""
+    text = os.environ.get(_TIMEOUT_VARIABLE, "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise EntryError(f"{_TIMEOUT_VARIABLE}={text!r}: expected a positive number of seconds")
+    return timedelta(seconds=seconds)
 
 
 def launched_world() -> int | None:
@@ -85,7 +98,7 @@ def launched_world() -> int | None:
         return None
 
 
-def how_to_start(world: int) -> str:
+def _how_to_start(world: int) -> str:
     return f"torchrun --nproc-per-node {world} -m nanrunbook replay ..."
 
 
@@ -218,13 +231,13 @@ def _check_launch(capsule: ShardedCapsule, changes: int) -> None:
     if world is None:
         raise EntryError(
             f"{capsule.path} was written by {capsule.world_size} ranks under FSDP2: replay it"
-            f" as a distributed job, {how_to_start(capsule.world_size)}"
+            f" as a distributed job, {_how_to_start(capsule.world_size)}"
         )
     if world != capsule.world_size:
         raise EntryError(
             f"{capsule.path} was written by {capsule.world_size} ranks under FSDP2, this job"
             f" has {world}: each rank's shards, batches and random states belong to one rank;"
-            f" {how_to_start(capsule.world_size)}"
+            f" {_how_to_start(capsule.world_size)}"
         )
     if changes:
         raise EntryError(
@@ -459,10 +472,11 @@ def replay_sharded(
     import torch.distributed as dist
 
     _check_launch(capsule, changes)
+    timeout = _timeout()
     started = not dist.is_initialized()
     if started:
         backend = "gloo" if not torch.cuda.is_available() else "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, timeout=_TIMEOUT)
+        dist.init_process_group(backend, timeout=timeout)
     try:
         from nanrunbook.capture.torch._every_rank import gather
 
