@@ -388,3 +388,13 @@ def replay_build() -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return {"model": model, "optimizer": optimizer, "compute_loss": _loss, "scheduler": scheduler}
+
+
+def replay_build_failing_on_rank_1() -> dict[str, Any]:
+    """:func:`replay_build` on rank 0; rank 1's entry raises (after rank 0's
+    has built its FSDP2 model), so that rank 0 must learn it from rank 1."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("no data on this node")
+    return replay_build()

@@ -2,7 +2,8 @@
 2-rank FSDP2 hold (gloo, CPU, one spawned job) writes the capsule, a real
 ``torchrun --nproc-per-node 2`` replays it, every rank writing its bundle into
 ``--out`` as an incident set that checks as the incident's; a job of another
-world size, or no job, is refused in one line (exit 2) on every rank."""
+world size, or no job, is refused in one line (exit 2) on every rank, and a
+rank whose entry fails stops the other with its reason."""
 
 from __future__ import annotations
 
@@ -45,12 +46,15 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _replay(capsule: Path, out: Path, *launch: str, fmt: str = "json") -> Any:
+def _replay(
+    capsule: Path, out: Path, *launch: str, fmt: str = "json",
+    entry: str = "fsdp_support:replay_build",
+) -> Any:  # fmt: skip
     command = [
         *launch, "-m", "nanrunbook", "replay", str(capsule),
-        "--entry", "fsdp_support:replay_build", "--out", str(out), "--format", fmt,
+        "--entry", entry, "--out", str(out), "--format", fmt,
     ]  # fmt: skip
-    environment = {**os.environ, "NANRUNBOOK_REPLAY_TIMEOUT": "60"}
+    environment = {**os.environ, "NANRUNBOOK_REPLAY_TIMEOUT": "30"}
     return subprocess.run(
         command, cwd=TESTS, env=environment, capture_output=True, text=True, timeout=240,
         check=False,
@@ -89,7 +93,7 @@ def test_torchrun_replays_every_rank_and_reproduces_the_incident_set(
     assert set_verdict(replayed)[:2] == ([1], "input")
 
 
-def test_another_world_size_or_no_job_is_refused_on_every_rank(
+def test_another_world_size_no_job_or_a_failing_rank_is_refused_on_every_rank(
     capsule: Path, tmp_path: Path
 ) -> None:
     alone = _replay(capsule, tmp_path / "alone", sys.executable, fmt="text")
@@ -104,7 +108,21 @@ def test_another_world_size_or_no_job_is_refused_on_every_rank(
     lines = [line for line in one.stderr.splitlines() if line.startswith("nanrunbook: replay:")]
     assert len(lines) == 1 and "this job has 1" in lines[0], one.stderr
     assert "nanrunbook/" not in one.stderr  # no frame of ours
-    assert not (tmp_path / "alone").exists() and not (tmp_path / "one").exists()
+    # A rank whose entry fails stops the other (which built its model) with its reason.
+    failing = _replay(capsule, tmp_path / "failing", *_torchrun(2), fmt="text",
+                      entry="fsdp_support:replay_build_failing_on_rank_1")  # fmt: skip
+    assert failing.returncode == 1, failing.stderr
+    assert len(re.findall(r"exitcode\s*: 2 ", failing.stderr)) == 2, failing.stderr
+    said = [line for line in failing.stderr.splitlines() if line.startswith("nanrunbook: replay:")]
+    assert (
+        said
+        == [
+            "nanrunbook: replay: rank 1: the entry replay_build_failing_on_rank_1() failed:"
+            " RuntimeError: no data on this node"
+        ]
+        * 2
+    ), failing.stderr
+    assert not [p.name for p in tmp_path.iterdir()]  # no --out made
 
 
 def test_a_change_or_a_bad_timeout_of_a_sharded_replay_is_refused_in_one_line(

@@ -453,7 +453,6 @@ def _outside(out: Path, capsule: ShardedCapsule) -> None:
         raise EntryError(f"--out {out} is inside {incident_set}: a replay never writes there")
     if out.exists() or out.is_symlink():
         raise EntryError(f"--out {out} exists: a replay writes a new directory")
-    out.mkdir(parents=True)
 
 
 def replay_sharded(
@@ -493,6 +492,8 @@ def replay_sharded(
         _together(fits)
         loaded = _together(lambda: _load(capsule, documents, built, rank))
         record, own = _together(lambda: _run_step(loaded, capsule.step))
+        # Made once every rank has run the step: a job that fails before leaves nothing.
+        _together(lambda: out.mkdir(parents=True) if rank == 0 else None)
         bundle = _together(
             lambda: _write_bundle(capsule, documents, loaded, record, own, out, rank)
         )
