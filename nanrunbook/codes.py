@@ -241,8 +241,8 @@ CAPSULE_CODES: dict[str, str] = {
         " (its evidence content id differs)"
     ),
     "CAPSULE_SHARDED": (
-        "the capsule was written by every rank of an FSDP2 job: nanrunbook replay of it"
-        " is not built"
+        "the capsule was written by every rank of an FSDP2 job: Capsule.open takes one"
+        " process's; replay it under torchrun with its world size (replay_sharded)"
     ),
     "CAPSULE_OBJECTS_DIFFER": (
         "the objects the entry built differ from the capsule's (optimizer class, param"

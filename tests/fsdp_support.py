@@ -29,7 +29,9 @@ class ShardedCase:
     ``healthy``; ``snapshot``: the sentinel's pre-step snapshot.
     ``micro``: micro-batches a step (all but the last without gradient sync);
     ``bf16``: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32);
-    ``clip``: the loop clips through the sentinel at this max norm."""
+    ``clip``: the loop clips through the sentinel at this max norm;
+    ``torchrun``: each rank's LOCAL_RANK set as torchrun sets it (the
+    environment item then names it, as a replay under torchrun does)."""
 
     run_id: str
     scenario: str = "healthy"
@@ -39,6 +41,7 @@ class ShardedCase:
     bf16: bool = False
     clip: float | None = None
     snapshot: bool = False
+    torchrun: bool = False
 
 
 def _local(t: Any) -> Any:
@@ -209,8 +212,12 @@ def _scaler_refusal(world: int, tmp: Path, case: ShardedCase) -> str | None:
 def sharded_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     """One rank of ``case``: with the sentinel, and for ``healthy`` the same loop
     without it first (its final local state is ``plain_state``)."""
+    import os
+
     import torch.distributed as dist
 
+    if case.torchrun:
+        os.environ["LOCAL_RANK"] = str(rank)
     store = dist.FileStore(str(Path(tmp) / "store"), world)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -368,3 +375,26 @@ def recovery_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
     for state in ("uninterrupted", "resumed"):
         result[state] = _without_ids(result[state])
     (root / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def replay_build() -> dict[str, Any]:
+    """The ``--entry`` of ``nanrunbook replay`` under torchrun: the objects of
+    ``_run`` for the nan-rank1 case, built on this job's world size (the
+    process group the replay started)."""
+    import torch.distributed as dist
+
+    case = ShardedCase("replayed", scenario="nan-rank1")
+    model = _model(dist.get_world_size(), case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return {"model": model, "optimizer": optimizer, "compute_loss": _loss, "scheduler": scheduler}
+
+
+def replay_build_failing_on_rank_1() -> dict[str, Any]:
+    """:func:`replay_build` on rank 0; rank 1's entry raises (after rank 0's
+    has built its FSDP2 model), so that rank 0 must learn it from rank 1."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("no data on this node")
+    return replay_build()

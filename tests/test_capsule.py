@@ -492,3 +492,15 @@ def test_a_capsule_that_travelled_alone_still_replays(incident: Path, tmp_path: 
     assert result.exit_code == 0, result.output
     assert "no incident bundle beside the capsule" in result.output
     assert "ONE_MECHANISM_CHANGED batch: FIXED" in result.output
+
+
+def test_a_capsule_one_process_wrote_is_refused_under_a_job_of_several_ranks(
+    incident: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 starts each rank
+    result = cli(str(incident / "capsule"), "--entry", "capsule_runs:build_regressor",
+                 "--out", str(tmp_path / "o"))  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "written by one process, this job has 2 ranks" in result.output
+    assert len([line for line in result.output.splitlines() if line]) == 1
+    assert not (tmp_path / "o").exists()

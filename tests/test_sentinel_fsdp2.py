@@ -78,7 +78,8 @@ def _one_sharded_capsule(
     incident: Path, world: int, micro: int, results: list[dict[str, Any]]
 ) -> None:
     """Every rank wrote the one capsule in rank 0's bundle, verified from this
-    process; nanrunbook replay refuses it with the reason (exit 3)."""
+    process; nanrunbook replay started without torchrun refuses it in one line
+    (exit 2: how it was started)."""
     capsule = incident / "rank-00000" / "capsule"
     assert {r["capsule"] for r in results} == {str(capsule)}, [r["capsule_error"] for r in results]
     manifest, violations = verify_state_dir(capsule, kind_format=FORMATS["capsule"])
@@ -102,7 +103,9 @@ def _one_sharded_capsule(
         [sys.executable, "-m", "nanrunbook", "replay", str(capsule), "--entry", "absent:build"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert shown.returncode == 3 and "CAPSULE_SHARDED" in shown.stdout, shown.stdout + shown.stderr
+    assert shown.returncode == 2, shown.stdout + shown.stderr
+    assert f"written by {world} ranks under FSDP2" in shown.stderr, shown.stderr
+    assert f"torchrun --nproc-per-node {world}" in shown.stderr
 
 
 def test_one_ranks_non_finite_update_is_rolled_back_on_every_rank(tmp_path: Path) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import sys
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated, Any, NoReturn
 
 import typer
 
@@ -74,13 +75,22 @@ def replay(
     then the diff verdict of each --change against the replay as recorded.
     Exit as diff (0 attributable, 1 not; with --require-fixed 0 only when every
     change FIXED it), 3 when the capsule, or a bundle, is rejected or the built
-    objects do not fit it, 2 for a bad entry or change.
+    objects do not fit it, 2 for a bad entry or change, or how it was started:
+    a capsule every rank of an FSDP2 job wrote is replayed under torchrun with
+    its world size (torchrun --nproc-per-node N -m nanrunbook replay ...), every
+    rank's bundle written below --out as an incident set and compared with its
+    incident member; no --change.
 
     Example: nanrunbook replay incident/run-7/1842/capsule --entry train:build --change precision=fp32
     """
     from nanrunbook.capture.torch._entry import EntryError, build, load_entry, parse_changes
     from nanrunbook.capture.torch._state_dir import StateDirRejected
-    from nanrunbook.capture.torch.capsule import Capsule, replay_capsule
+    from nanrunbook.capture.torch.capsule import (
+        ShardedCapsule,
+        launched_world,
+        open_capsule,
+        replay_capsule,
+    )
     from nanrunbook.cli._judging import emit, emit_rejection
     from nanrunbook.diff import ComparisonRejected
     from nanrunbook.output.renderers import RENDERERS
@@ -88,11 +98,20 @@ def replay(
     texts = list(change or ())
     try:
         changes = list(zip(texts, parse_changes(texts), strict=True))
-        opened = Capsule.open(capsule)
+        opened = open_capsule(capsule)
     except EntryError as error:
         usage_error("replay", str(error))
     except StateDirRejected as error:
         raise typer.Exit(emit_rejection(error, capsule, format.value, sys.stdout)) from None
+    if isinstance(opened, ShardedCapsule):
+        _sharded(opened, entry, len(changes), out, require_fixed, format.value)
+    world = launched_world()
+    if world is not None and world > 1:
+        usage_error(
+            "replay",
+            f"{capsule} was written by one process, this job has {world} ranks: replay it"
+            " without torchrun (or with --nproc-per-node 1)",
+        )
     target = (
         out if out is not None else Path(f"replay-{opened.run_id}-{opened.step}".replace("/", "-"))
     )
@@ -111,6 +130,78 @@ def replay(
     code = result.exit_code(require_fixed=require_fixed)
     emit(functools.partial(_write, result, format.value, require_fixed, sys.stdout), sys.stdout)
     raise typer.Exit(code)
+
+
+def _sharded(
+    capsule: Any, entry: str, changes: int, out: Path | None, require_fixed: bool, fmt: str
+) -> NoReturn:
+    """A sharded capsule, replayed by every rank of this torchrun job: the same
+    exit code on every rank, the answer printed by rank 0."""
+    from nanrunbook.capture.torch._entry import EntryError, build, load_entry
+    from nanrunbook.capture.torch._state_dir import StateDirRejected
+    from nanrunbook.capture.torch.capsule import replay_sharded
+    from nanrunbook.cli._judging import emit, emit_rejection
+
+    target = (
+        out
+        if out is not None
+        else Path(f"replay-{capsule.run_id}-{capsule.step}".replace("/", "-"))
+    )
+    first = os.environ.get("RANK", "0") == "0"  # before the group exists, as after it
+    try:
+        result = replay_sharded(capsule, lambda: build(load_entry(entry)), target, changes=changes)
+    except EntryError as error:
+        usage_error("replay", str(error))
+    except StateDirRejected as error:
+        rejected = int(error.exit_code)
+        if first:
+            rejected = emit_rejection(error, capsule.path, fmt, sys.stdout)
+        raise typer.Exit(rejected) from None
+    code = result.exit_code(require_fixed=require_fixed)
+    if first:
+        emit(functools.partial(_write_sharded, result, fmt, require_fixed, sys.stdout), sys.stdout)
+    raise typer.Exit(code)
+
+
+def _write_sharded(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
+    from nanrunbook.capture.torch.capsule import sharded_document
+
+    capsule = result.capsule
+    if fmt == "json":
+        import orjson
+
+        document = sharded_document(result, require_fixed=require_fixed)
+        out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    if fmt == "kv":
+        lines = [
+            f"capsule_run={capsule.run_id}",
+            f"capsule_step={capsule.step}",
+            f"world_size={capsule.world_size}",
+            f"reproduction={result.verdict}",
+        ]
+        for r in result.ranks:
+            lines += [
+                f"rank.{r.rank}.reproduction={r.verdict}",
+                f"rank.{r.rank}.decision={r.decision}",
+                f"rank.{r.rank}.earliest_nonfinite_stage={r.stage or 'none'}",
+                f"rank.{r.rank}.bundle={r.bundle}",
+            ]
+        out.write("\n".join(lines) + "\n")
+        return
+    lines = [
+        f"capsule {capsule.path}: verified; run {capsule.run_id}, step {capsule.step},"
+        f" written by {capsule.world_size} ranks under FSDP2",
+        f"replay as recorded, every rank together: {result.out / capsule.run_id / str(capsule.step)}",
+    ]
+    for r in result.ranks:
+        why = f" ({r.not_reproduced} differs)" if r.not_reproduced else ""
+        where = f" at {r.stage}" if r.stage else ""
+        lines.append(
+            f"rank {r.rank}: {r.verdict}{why} its incident bundle {r.incident}: {r.decision}{where}"
+        )
+    lines.append(f"every rank: {result.verdict}")
+    out.write("\n".join(lines) + "\n")
 
 
 def _diff(renderer: Any, comparison: Any) -> str:

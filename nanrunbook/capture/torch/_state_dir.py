@@ -541,13 +541,19 @@ def load_state_dir(
     return manifest, _documents(root, manifest)
 
 
-def load_verified_state(path: Path, state: Mapping[str, Any]) -> None:
+def load_verified_state(
+    path: Path, state: Mapping[str, Any], *, others: Callable[[str], bool] | None = None
+) -> None:
     """Load a verified directory's DCP state in place into ``state`` (tensors,
     DTensors included, copied into: under torch.distributed every rank calls it
     and DCP reads each rank's shards; non-tensor values replaced). Keys, shapes
-    (global ones) and dtypes are checked first: StateDirRejected."""
+    (global ones) and dtypes are checked first: StateDirRejected. ``others``:
+    the saved keys that are not this load's to take (another rank's own part)."""
     root = Path(path)
-    differences = _differences(state, read_metadata(root))
+    saved = read_metadata(root).state_dict_metadata
+    if others is not None:
+        saved = {key: value for key, value in saved.items() if not others(key)}
+    differences = _differences_flat(_flat(state), saved)
     if differences:
         raise StateDirRejected(differences)
     target = dict(state)

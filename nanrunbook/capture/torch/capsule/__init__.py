@@ -7,7 +7,9 @@ torch.distributed.checkpoint, the step's micro-batches and random states, its
 recipe and the incident's facts, and a SHA-256 manifest written last, the
 whole appearing atomically. :class:`Capsule` opens, verifies and loads one
 into the objects the user's entry builds; :class:`LoadedStep` replays it,
-as recorded or with one mechanism changed (``nanrunbook replay``).
+as recorded or with one mechanism changed (``nanrunbook replay``). A capsule
+every rank of an FSDP2 job wrote is replayed by a job of its world size
+(:func:`replay_sharded`, ``nanrunbook replay`` under ``torchrun``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from nanrunbook.capture.torch.capsule._session import (
     replay_capsule,
     replay_document,
 )
+from nanrunbook.capture.torch.capsule._sharded_replay import (
+    RankReplay,
+    ShardedCapsule,
+    ShardedReplay,
+    launched_world,
+    open_capsule,
+    replay_sharded,
+    sharded_document,
+)
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
 
 __all__ = [
@@ -35,9 +46,16 @@ __all__ = [
     "ChangedReplay",
     "HeldStep",
     "LoadedStep",
+    "RankReplay",
+    "ShardedCapsule",
+    "ShardedReplay",
     "annotate_replay",
+    "launched_world",
+    "open_capsule",
     "replay_capsule",
     "replay_document",
+    "replay_sharded",
+    "sharded_document",
     "write_capsule",
     "write_held_capsule",
 ]

@@ -95,7 +95,7 @@ class Capsule:
         manifest, violations = verify_state_dir(root, kind_format=CAPSULE_FORMAT)
         if violations or manifest is None:
             raise StateDirRejected(violations)
-        from nanrunbook.capture._state_manifest import RANKS_KEY, read_document
+        from nanrunbook.capture._state_manifest import RANKS_KEY
 
         if RANKS_KEY in manifest.header:
             message = (
@@ -103,6 +103,13 @@ class Capsule:
                 f" {SHARDED_REPLAY}"
             )
             raise StateDirRejected([Violation("CAPSULE_SHARDED", MANIFEST_NAME, message)])
+        return cls.verified(root, manifest)
+
+    @classmethod
+    def verified(cls, root: Path, manifest: StateDirManifest) -> Capsule:
+        """The capsule one process wrote at ``root``, its manifest verified:
+        its documents read and checked."""
+        from nanrunbook.capture._state_manifest import read_document
 
         documents = {}
         for name in _DOCUMENTS:

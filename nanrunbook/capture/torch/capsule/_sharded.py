@@ -12,14 +12,18 @@ environment and recipe (scaling, clipping, accumulation) in its
 a rank whose bundle failed stops every rank's capsule (nothing written), so
 no rank waits in a collective another never reaches.
 
-``nanrunbook replay`` of a sharded capsule is not built: :class:`Capsule`
-refuses it with the reason (CAPSULE_SHARDED).
+Each rank's ``incident.json`` also holds what its bundle's binding was made
+of beyond the objects (:class:`BindingFacts`: the loop's stated items, the
+incident owner, the last known-good state, the voting group), so that
+``nanrunbook replay`` under ``torchrun`` (:mod:`._sharded_replay`) binds each
+rank's replay as the incident bundle was bound.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +37,23 @@ from nanrunbook.capture.torch.capsule._contents import encode_micro_batches
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT
 from nanrunbook.capture.torch.replay import Clipping, MicroBatch
 
-__all__ = ["SHARDED_REPLAY", "write_sharded_capsule"]
+__all__ = ["SHARDED_REPLAY", "BindingFacts", "write_sharded_capsule"]
 
 log = logging.getLogger("nanrunbook.sentinel")
 
 SHARDED_REPLAY = (
-    "nanrunbook replay of a sharded capsule is not built: its state is every rank's shards"
+    "every rank's shards: replay it under torchrun with the world size it was written by"
 )
+
+
+@dataclass(frozen=True)
+class BindingFacts:
+    """What a rank's bundle binding was made of besides the live objects."""
+
+    incident_owner: str
+    last_known_good: Mapping[str, Any]
+    given: Mapping[str, Mapping[str, Any]]  # the loop's stated binding items
+    topology: Mapping[str, Any] | None  # the voting group's part of the topology item
 
 
 def _recipe(
@@ -104,6 +118,7 @@ def write_sharded_capsule(
     step: int,
     evidence_content_id: str | None,
     failed: str | None,
+    binding: BindingFacts,
 ) -> tuple[Path | None, str | None]:
     """Every rank at the agreed FSDP2 hold: write the one capsule into rank 0's
     bundle (``bundle``: this rank's, None when its capture failed, ``failed``
@@ -126,6 +141,12 @@ def write_sharded_capsule(
                     "evidence_content_id": evidence_content_id,
                 },
                 "contaminated": False,
+                "incident_owner": binding.incident_owner,
+                "last_known_good": encode_value(dict(binding.last_known_good)),
+                "given": encode_value({k: dict(v) for k, v in binding.given.items()}),
+                "topology": None
+                if binding.topology is None
+                else encode_value(dict(binding.topology)),
             }
             param = next(iter(model.parameters()), None)
             environment = {

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
-from nanrunbook.capture.torch.capsule._sharded import write_sharded_capsule
+from nanrunbook.capture.torch.capsule._sharded import BindingFacts, write_sharded_capsule
 from nanrunbook.capture.torch.replay import (
     ForwardCapture,
     Replayed,
@@ -65,6 +66,7 @@ __all__ = [
     "capture_sharded_step",
     "is_fully_sharded",
     "replicated",
+    "sharded_evidence",
 ]
 
 log = logging.getLogger("nanrunbook.sentinel")
@@ -378,6 +380,115 @@ EVIDENCE = (
 )
 
 
+def sharded_evidence(
+    objects: StepObjects,
+    record: StepRecord,
+    *,
+    run_id: str,
+    incident_owner: str,
+    last_known_good: Mapping[str, Any],
+    given: Mapping[str, Mapping[str, Any]],
+    topology: Mapping[str, Any] | None,
+    spool_dir: Path,
+    own: bool | None,
+) -> tuple[BundleWriter, list[str]]:
+    """The bundle of a fully sharded step whose forward and backward ran on the
+    live objects (the held step's, or a capsule's replay of it), ready to write:
+    its writer and the notes for the hold's reason. Every rank calls it together
+    (the forward run again all-gathers). ``given``: the loop's stated binding
+    items; ``own``: whether this rank's gradients were finite before the
+    reduce-scatter (None: not measured)."""
+    owner = incident_owner
+    inputs, activations, weights = _rerun_forward(objects, record)
+    named = _named_params(objects.model, objects.optimizer)
+    writer = BundleWriter(
+        binding={},
+        run_id=run_id,
+        step=record.number,
+        incident_owner=owner,
+        last_known_good=last_known_good,
+        spool_dir=spool_dir,  # the tensors stream to disk as they are taken
+    )
+    writer.observe(
+        "input",
+        inputs,
+        owner=owner,
+        probe_source="the batch as given, before compute_loss (the live step's)",
+    )
+    writer.observe(
+        "forward",
+        activations,
+        owner=owner,
+        probe_source="forward hooks on leaf modules, execution order: the forward run again on"
+        " the live FSDP2 module under torch.no_grad by every rank together, from the live"
+        " forward's RNG state (not a replay on copies: FSDP2 modules cannot be copied)",
+    )
+    count = len(record.losses)
+    writer.observe(
+        "loss",
+        [
+            (_label("loss", i, count), tensor_to_raw(loss), "compute_loss(model, batch)")
+            for i, loss in enumerate(record.losses)
+        ],
+        owner=owner,
+        probe_source="the loss the live step's compute_loss returned, before backward",
+    )
+    gradients = [(n, p.grad) for n, p in named if p.grad is not None]
+    source = "param.grad local shards after FSDP2's reduce-scatter, before clipping: the live held step's, not replayed"
+    if own is not None:
+        source += (
+            "; this rank's own gradients were finite before the reduce-scatter"
+            if own
+            else "; this rank's own gradients were already non-finite before the reduce-scatter"
+        )
+    grad_entries = _local_entries("grad", gradients, "param.grad")
+    if not grad_entries:
+        raise ValueError("no local gradient shard on this rank")
+    writer.observe("backward", grad_entries, owner=owner, probe_source=source, gradients="unscaled")
+    optimizer, params, before = _update_on_copies(objects, named, record)
+    replayed = Replayed(
+        writer=writer,
+        scaler=_scaler_item(objects),
+        activation_weights=weights,
+        random_state={"id": "torch-rng-state-of-the-live-forward", "seed": "unknown"},
+        batch=batch_binding(
+            [(n, t) for micro in record.micro for n, t in flatten(micro.batch, "")]
+        ),
+    )
+    derived: dict[str, Any] = {
+        "model": _model_item(objects.model),
+        "scheduler": scheduler_binding(objects.scheduler),
+    }
+    derived["topology"] = {**topology_binding(), **(topology or {}), "sharding": "fsdp2"}
+    inexact = bind(
+        replayed,
+        _LocalModel([q for _, q in params]),
+        optimizer,
+        {k: dict(v) for k, v in given.items()},
+        derived,
+    )
+    environment = writer.binding["environment"]
+    environment["replay"] = "none"
+    environment["evidence"] = EVIDENCE
+    notes = [EVIDENCE]
+    if type(objects.optimizer).__name__ not in ELEMENTWISE:
+        inexact.append(
+            f"{type(objects.optimizer).__name__} may not update elementwise: its update on the local shards may not be the shard of the sharded update"
+        )
+    if inexact:
+        environment["replay_inexact"] = "; ".join(inexact)
+    optimizer.step()
+    writer.observe(
+        "optimizer",
+        _optimizer_entries(optimizer, named, params, before),
+        owner=owner,
+        probe_source="optimizer.step() replayed on copies of this rank's local shards, from"
+        " the live gradient shards (clipped as the loop's clip_grad_norm_ would): state"
+        " after, and the update it applied",
+    )
+    return writer, notes
+
+
 def capture_sharded_step(request: StepCapture) -> Captured:
     """:func:`~._capture.capture_step` for a fully sharded model: this rank's
     bundle of the request's held step (see the module's docstring), written and
@@ -388,7 +499,6 @@ def capture_sharded_step(request: StepCapture) -> Captured:
     capsule into rank 0's bundle."""
     objects, facts, record = request.objects, request.facts, request.step
     last_known_good, root = request.last_known_good, request.root
-    owner = facts.incident_owner
     if record.updated:
         # A non-finite update found after it ran (rolled back): its gradients were
         # clipped in place, or replaced by the next step's backward, and no copy
@@ -400,99 +510,21 @@ def capture_sharded_step(request: StepCapture) -> Captured:
         )
         log.error("step %d: %s", record.number, error)
         return Captured(None, None, error)
+    given: dict[str, Any] = {}
     try:
+        given = stated_binding(facts, record.number, request.recovery)
         run_directory = root / facts.run_id
         run_directory.mkdir(parents=True, exist_ok=True)
-        inputs, activations, weights = _rerun_forward(objects, record)
-        named = _named_params(objects.model, objects.optimizer)
-        writer = BundleWriter(
-            binding={},
+        writer, notes = sharded_evidence(
+            objects,
+            record,
             run_id=facts.run_id,
-            step=record.number,
-            incident_owner=owner,
+            incident_owner=facts.incident_owner,
             last_known_good=last_known_good,
-            spool_dir=run_directory,  # the tensors stream to disk as they are taken
-        )
-        writer.observe(
-            "input",
-            inputs,
-            owner=owner,
-            probe_source="the batch as given, before compute_loss (the live step's)",
-        )
-        writer.observe(
-            "forward",
-            activations,
-            owner=owner,
-            probe_source="forward hooks on leaf modules, execution order: the forward run again on"
-            " the live FSDP2 module under torch.no_grad by every rank together, from the live"
-            " forward's RNG state (not a replay on copies: FSDP2 modules cannot be copied)",
-        )
-        count = len(record.losses)
-        writer.observe(
-            "loss",
-            [
-                (_label("loss", i, count), tensor_to_raw(loss), "compute_loss(model, batch)")
-                for i, loss in enumerate(record.losses)
-            ],
-            owner=owner,
-            probe_source="the loss the live step's compute_loss returned, before backward",
-        )
-        gradients = [(n, p.grad) for n, p in named if p.grad is not None]
-        source = "param.grad local shards after FSDP2's reduce-scatter, before clipping: the live held step's, not replayed"
-        own = record.grads.local_finite  # this rank's before the reduce-scatter; None: unmeasured
-        if own is not None:
-            source += (
-                "; this rank's own gradients were finite before the reduce-scatter"
-                if own
-                else "; this rank's own gradients were already non-finite before the reduce-scatter"
-            )
-        grad_entries = _local_entries("grad", gradients, "param.grad")
-        if not grad_entries:
-            raise ValueError("no local gradient shard on this rank")
-        writer.observe(
-            "backward", grad_entries, owner=owner, probe_source=source, gradients="unscaled"
-        )
-        optimizer, params, before = _update_on_copies(objects, named, record)
-        replayed = Replayed(
-            writer=writer,
-            scaler=_scaler_item(objects),
-            activation_weights=weights,
-            random_state={"id": "torch-rng-state-of-the-live-forward", "seed": "unknown"},
-            batch=batch_binding(
-                [(n, t) for micro in record.micro for n, t in flatten(micro.batch, "")]
-            ),
-        )
-        derived: dict[str, Any] = {
-            "model": _model_item(objects.model),
-            "scheduler": scheduler_binding(objects.scheduler),
-        }
-        topology = request.topology or {}
-        derived["topology"] = {**topology_binding(), **topology, "sharding": "fsdp2"}
-        inexact = bind(
-            replayed,
-            _LocalModel([q for _, q in params]),
-            optimizer,
-            stated_binding(facts, record.number, request.recovery),
-            derived,
-        )
-        environment = writer.binding["environment"]
-        environment["replay"] = "none"
-        environment["evidence"] = EVIDENCE
-        notes = [EVIDENCE]
-        if type(objects.optimizer).__name__ not in ELEMENTWISE:
-            inexact.append(
-                f"{type(objects.optimizer).__name__} may not update elementwise: its update on the local shards may not be the shard of the sharded update"
-            )
-        if inexact:
-            environment["replay_inexact"] = "; ".join(inexact)
-        optimizer.step()
-        writer.observe(
-            "optimizer",
-            _optimizer_entries(optimizer, named, params, before),
-            owner=owner,
-            probe_source="optimizer.step() replayed on copies of this rank's local shards, from"
-            " the live gradient shards (clipped as the loop's clip_grad_norm_ would): state"
-            " after, and the update it applied",
+            given=given,
+            topology=request.topology,
+            spool_dir=run_directory,
+            own=record.grads.local_finite,  # this rank's before the reduce-scatter; None: unmeasured
         )
         target, report = write_incident(writer, request)
     except Exception as error:  # the hold must stand whatever the capture hits
@@ -517,5 +549,6 @@ def capture_sharded_step(request: StepCapture) -> Captured:
             captured.report.manifest.evidence_content_id if captured.report is not None else None
         ),
         failed=captured.error,
+        binding=BindingFacts(facts.incident_owner, last_known_good, given, request.topology),
     )
     return replace(captured, capsule=capsule, capsule_error=capsule_error)
