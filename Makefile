@@ -23,8 +23,13 @@ demo: $(VENV)/.installed
 	@$(BIN)/nanrunbook check fixtures/hold-backward-dynamic-skip; status=$$?; \
 	  echo; echo "exit code: $$status (1 = HOLD, 0 = CONTINUE, 3 = rejected)"; test $$status -eq 1
 
+# A worker per core (CI's two), each test file on one worker so that a file's
+# module fixtures (a spawned multi-rank job shared by its tests) run once.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= auto
+
 test: $(VENV)/.test-installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.test-installed
 	$(BIN)/ruff check nanrunbook tests fixtures

@@ -149,3 +149,15 @@ def test_a_change_or_a_bad_timeout_of_a_sharded_replay_is_refused_in_one_line(
         assert said in result.output
         assert len([line for line in result.output.splitlines() if line]) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_the_library_refuses_to_open_a_sharded_capsule_as_one_processs(capsule: Path) -> None:
+    """``Capsule.open`` takes one process's capsule; a sharded one is verified,
+    then refused with the code that names how it is replayed."""
+    from nanrunbook.capture.torch import Capsule
+    from nanrunbook.errors import EvidenceRejected
+
+    with pytest.raises(EvidenceRejected) as info:
+        Capsule.open(capsule)
+    assert info.value.codes == ("CAPSULE_SHARDED",)
+    assert "replay it under torchrun" in info.value.violations[0].message

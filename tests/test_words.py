@@ -77,15 +77,18 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def test_a_path_given_to_the_wrong_command_names_the_one_meant(tmp_path: Path) -> None:
-    root = make_set(tmp_path / "set", 2)
+def test_a_path_given_to_the_wrong_command_names_the_one_meant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # short paths: a long one is cut to keep the line one line
+    root = make_set(Path("set"), 2)
     bundle = root / "rank-00000"
     code, _, err = _cli("watch", str(bundle))
     assert code == 3
     assert f"is an evidence bundle, not telemetry: judge it with nanrunbook check '{bundle}'" in err
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "telemetry-rank-00001.jsonl").write_text("")
-    code, _, err = _cli("watch", str(tmp_path / "run"))  # a run directory: a job's telemetry
+    Path("run").mkdir()
+    (Path("run") / "telemetry-rank-00001.jsonl").write_text("")
+    code, _, err = _cli("watch", "run")  # a run directory: a job's telemetry
     assert code == 3 and "no telemetry record in" in err and "telemetry-rank-00001.jsonl" in err
     code, out, _ = _cli("check", str(bundle / "manifest.json"))
     assert code == 3 and f"(this is its manifest): nanrunbook check '{bundle}'" in out
