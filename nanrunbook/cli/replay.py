@@ -168,10 +168,9 @@ def _write_sharded(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> 
 
     capsule = result.capsule
     if fmt == "json":
-        import orjson
+        from nanrunbook.output.json import json_text
 
-        document = sharded_document(result, require_fixed=require_fixed)
-        out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+        out.write(json_text(sharded_document(result, require_fixed=require_fixed)))
         return
     if fmt == "kv":
         lines = [
@@ -217,10 +216,9 @@ def _write(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
     renderer = RENDERERS[fmt]
     held = result.capsule.reproduced
     if fmt == "json":
-        import orjson
+        from nanrunbook.output.json import json_text
 
-        document = replay_document(result, require_fixed=require_fixed)
-        out.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+        out.write(json_text(replay_document(result, require_fixed=require_fixed)))
         return
     if fmt == "kv":
         lines = [

@@ -34,7 +34,11 @@ from nanrunbook.capture.incident import CAPSULE_DIRECTORY, rank_member
 from nanrunbook.capture.torch._every_rank import agree, from_rank0
 from nanrunbook.capture.torch._state_dir import encode_value, write_state_dir
 from nanrunbook.capture.torch.capsule._contents import encode_micro_batches
-from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT
+from nanrunbook.capture.torch.capsule._write import (
+    CAPSULE_FORMAT,
+    clipping_document,
+    scheduler_state,
+)
 from nanrunbook.capture.torch.replay import Clipping, MicroBatch
 
 __all__ = ["SHARDED_REPLAY", "BindingFacts", "write_sharded_capsule"]
@@ -60,19 +64,9 @@ def _recipe(
     optimizer: Any, micro: int, loss_scale: float | None, clipping: Clipping | None
 ) -> dict[str, Any]:
     """How the step was run, beyond its batches: scaling, clipping, accumulation."""
-    params = {
-        id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
-    }
     return {
         "scaling": {"mode": "static" if loss_scale else "none", "scale": loss_scale},
-        "clipping": None
-        if clipping is None
-        else {
-            "max_norm": clipping.max_norm,
-            "norm_type": encode_value(clipping.norm_type),
-            "params": [params[i] for i in clipping.params if i in params],
-            "foreach": clipping.foreach,
-        },
+        "clipping": clipping_document(optimizer, clipping),
         "micro_batches": micro,
     }
 
@@ -85,20 +79,10 @@ def _documents(
     recipe: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     micro, batch_state = encode_micro_batches(micro_batches)
-    scheduler_document = (
-        None
-        if scheduler is None
-        else {
-            "class": type(scheduler).__name__,
-            "state": encode_value(
-                {k: v for k, v in scheduler.state_dict().items() if not callable(v)}, "scheduler"
-            ),
-        }
-    )
     documents = {
         "incident": dict(incident),
         "micro_batches": micro,
-        "scheduler": scheduler_document,
+        "scheduler": scheduler_state(scheduler),
         "environment": dict(environment),
         "recipe": dict(recipe),
     }

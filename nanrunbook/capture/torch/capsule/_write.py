@@ -25,7 +25,7 @@ from nanrunbook.capture.torch._state_dir import FORMATS, encode_value, write_sta
 from nanrunbook.capture.torch.capsule._contents import CapsuleRefused, encode_micro_batches
 from nanrunbook.capture.torch.replay import Clipping, MicroBatch
 
-__all__ = ["CAPSULE_FORMAT", "HeldStep", "write_capsule"]
+__all__ = ["CAPSULE_FORMAT", "HeldStep", "clipping_document", "scheduler_state", "write_capsule"]
 
 CAPSULE_FORMAT = FORMATS["capsule"]
 
@@ -95,11 +95,32 @@ def _optimizer(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, document
 
 
-def _recipe(held: HeldStep) -> dict[str, Any]:
+def clipping_document(optimizer: Any, clipping: Clipping | None) -> dict[str, Any] | None:
+    """The step's clipping as the capsule's recipe records it: its parameters by
+    their place in the optimizer's groups."""
+    if clipping is None:
+        return None
     params = {
-        id(p): i for i, p in enumerate(p for g in held.optimizer.param_groups for p in g["params"])
+        id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
     }
-    clipping = held.clipping
+    return {
+        "max_norm": clipping.max_norm,
+        "norm_type": encode_value(clipping.norm_type),
+        "params": [params[i] for i in clipping.params if i in params],
+        "foreach": clipping.foreach,
+    }
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
+    """The scheduler's class and state as JSON (its callables left out: a lambda
+    schedule is the entry's to build again)."""
+    if scheduler is None:
+        return None
+    state = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
+    return {"class": type(scheduler).__name__, "state": encode_value(state, "scheduler")}
+
+
+def _recipe(held: HeldStep) -> dict[str, Any]:
     scaler = held.scaler
     return {
         "scaling": {
@@ -108,14 +129,7 @@ def _recipe(held: HeldStep) -> dict[str, Any]:
             "state": None if scaler is None else encode_value(scaler.state_dict(), "scaler"),
             "device": None if scaler is None else str(getattr(scaler, "_device", "cuda")),
         },
-        "clipping": None
-        if clipping is None
-        else {
-            "max_norm": clipping.max_norm,
-            "norm_type": encode_value(clipping.norm_type),
-            "params": [params[i] for i in clipping.params if i in params],
-            "foreach": clipping.foreach,
-        },
+        "clipping": clipping_document(held.optimizer, held.clipping),
         "modules": "custom" if held.custom_modules else "leaf",
         "compiled": held.compiled,
         "live": dict(held.live),
@@ -152,17 +166,7 @@ def write_capsule(path: Path, held: HeldStep) -> Path:
         state["batch"] = batch_state
     scheduler = held.scheduler
     try:
-        scheduler_document = (
-            None
-            if scheduler is None
-            else {
-                "class": type(scheduler).__name__,
-                "state": encode_value(
-                    {k: v for k, v in scheduler.state_dict().items() if not callable(v)},
-                    "scheduler",
-                ),
-            }
-        )
+        scheduler_document = scheduler_state(scheduler)
         documents = {
             "incident": {
                 "run_id": held.run_id,
