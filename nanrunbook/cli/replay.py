@@ -85,11 +85,11 @@ def replay(
     """
     from nanrunbook.capture.torch._entry import EntryError, build, load_entry, parse_changes
     from nanrunbook.capture.torch._state_dir import StateDirRejected
-    from nanrunbook.capture.torch.capsule import (
+    from nanrunbook.capture.torch.capsule import replay_capsule
+    from nanrunbook.capture.torch.sharded_replay import (
         ShardedCapsule,
         launched_world,
         open_capsule,
-        replay_capsule,
     )
     from nanrunbook.cli._judging import emit, emit_rejection
     from nanrunbook.diff import ComparisonRejected
@@ -139,7 +139,7 @@ def _sharded(
     exit code on every rank, the answer printed by rank 0."""
     from nanrunbook.capture.torch._entry import EntryError, build, load_entry
     from nanrunbook.capture.torch._state_dir import StateDirRejected
-    from nanrunbook.capture.torch.capsule import replay_sharded
+    from nanrunbook.capture.torch.sharded_replay import replay_sharded
     from nanrunbook.cli._judging import emit, emit_rejection
 
     target = (
@@ -164,7 +164,7 @@ def _sharded(
 
 
 def _write_sharded(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
-    from nanrunbook.capture.torch.capsule import sharded_document
+    from nanrunbook.capture.torch.sharded_replay import sharded_document
 
     capsule = result.capsule
     if fmt == "json":

@@ -9,7 +9,7 @@ whole appearing atomically. :class:`Capsule` opens, verifies and loads one
 into the objects the user's entry builds; :class:`LoadedStep` replays it,
 as recorded or with one mechanism changed (``nanrunbook replay``). A capsule
 every rank of an FSDP2 job wrote is replayed by a job of its world size
-(:func:`replay_sharded`, ``nanrunbook replay`` under ``torchrun``).
+(``capture.torch.sharded_replay``, ``nanrunbook replay`` under ``torchrun``).
 """
 
 from __future__ import annotations
@@ -27,15 +27,6 @@ from nanrunbook.capture.torch.capsule._session import (
     replay_capsule,
     replay_document,
 )
-from nanrunbook.capture.torch.capsule._sharded_replay import (
-    RankReplay,
-    ShardedCapsule,
-    ShardedReplay,
-    launched_world,
-    open_capsule,
-    replay_sharded,
-    sharded_document,
-)
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
 
 __all__ = [
@@ -46,16 +37,9 @@ __all__ = [
     "ChangedReplay",
     "HeldStep",
     "LoadedStep",
-    "RankReplay",
-    "ShardedCapsule",
-    "ShardedReplay",
     "annotate_replay",
-    "launched_world",
-    "open_capsule",
     "replay_capsule",
     "replay_document",
-    "replay_sharded",
-    "sharded_document",
     "write_capsule",
     "write_held_capsule",
 ]

@@ -15,7 +15,7 @@ no rank waits in a collective another never reaches.
 Each rank's ``incident.json`` also holds what its bundle's binding was made
 of beyond the objects (:class:`BindingFacts`: the loop's stated items, the
 incident owner, the last known-good state, the voting group), so that
-``nanrunbook replay`` under ``torchrun`` (:mod:`._sharded_replay`) binds each
+``nanrunbook replay`` under ``torchrun`` (:mod:`..sharded_replay`) binds each
 rank's replay as the incident bundle was bound.
 """
 
