@@ -19,13 +19,19 @@ from pathlib import Path
 
 from nanrunbook.capture.incident import CAPSULE_DIRECTORY
 from nanrunbook.capture.torch.capsule._capsule import Capsule, LoadedStep
-from nanrunbook.capture.torch.capsule._contents import CapsuleRefused
+from nanrunbook.capture.torch.capsule._contents import (
+    CapsuleRefused,
+    decode_micro_batches,
+    generator_count,
+    micro_batch_template,
+)
 from nanrunbook.capture.torch.capsule._live import annotate_replay
 from nanrunbook.capture.torch.capsule._session import (
     CapsuleReplay,
     ChangedReplay,
     replay_capsule,
     replay_document,
+    replay_head,
 )
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
 
@@ -38,8 +44,12 @@ __all__ = [
     "HeldStep",
     "LoadedStep",
     "annotate_replay",
+    "decode_micro_batches",
+    "generator_count",
+    "micro_batch_template",
     "replay_capsule",
     "replay_document",
+    "replay_head",
     "write_capsule",
     "write_held_capsule",
 ]

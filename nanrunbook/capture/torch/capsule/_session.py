@@ -19,7 +19,14 @@ from nanrunbook.capture.torch.capsule._capsule import Capsule
 from nanrunbook.diff import Comparison, diff_bundles, diff_document
 from nanrunbook.exits import Exit, most_severe
 
-__all__ = ["REPLAY_FORMAT", "CapsuleReplay", "ChangedReplay", "replay_capsule", "replay_document"]
+__all__ = [
+    "REPLAY_FORMAT",
+    "CapsuleReplay",
+    "ChangedReplay",
+    "replay_capsule",
+    "replay_document",
+    "replay_head",
+]
 
 REPLAY_FORMAT = "nanrunbook-replay/1"
 
@@ -111,15 +118,22 @@ def replay_capsule(
     return CapsuleReplay(capsule, base, incident, reproduction, tuple(replays))
 
 
+def replay_head(path: Path, run_id: str, step: int) -> dict[str, Any]:
+    """What every replay document opens with: its format, the tool, the capsule and its run."""
+    return {
+        "replay_format": REPLAY_FORMAT,
+        "tool": {"name": "nanrunbook", "version": __version__},
+        "capsule": str(path),
+        "run": {"run_id": run_id, "step": step},
+    }
+
+
 def replay_document(result: CapsuleReplay, *, require_fixed: bool = False) -> dict[str, Any]:
     """The whole replay as JSON (``replay --format json``)."""
     capsule = result.capsule
     held = capsule.reproduced
     return {
-        "replay_format": REPLAY_FORMAT,
-        "tool": {"name": "nanrunbook", "version": __version__},
-        "capsule": str(capsule.path),
-        "run": {"run_id": capsule.run_id, "step": capsule.step},
+        **replay_head(capsule.path, capsule.run_id, capsule.step),
         "held_process": None if held is None else held.document(),
         "bundle": str(result.bundle),
         "incident_bundle": None if result.incident is None else str(result.incident),

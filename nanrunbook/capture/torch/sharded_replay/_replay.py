@@ -42,28 +42,18 @@ from nanrunbook.capture.torch._state_dir import (
     rank_documents,
     verify_state_dir,
 )
-from nanrunbook.capture.torch.capsule._capsule import Capsule
-from nanrunbook.capture.torch.capsule._contents import (
+from nanrunbook.capture.torch.capsule import (
+    CAPSULE_FORMAT,
+    Capsule,
     decode_micro_batches,
     generator_count,
     micro_batch_template,
+    replay_head,
 )
-from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT
 from nanrunbook.capture.torch.replay import leaf
 from nanrunbook.diff import Comparison, ComparisonRejected, diff_bundles
 from nanrunbook.errors import Violation
 from nanrunbook.exits import Exit, most_severe
-
-__all__ = [
-    "REPLAYED",
-    "RankReplay",
-    "ShardedCapsule",
-    "ShardedReplay",
-    "launched_world",
-    "open_capsule",
-    "replay_sharded",
-    "sharded_document",
-]
 
 T = TypeVar("T")
 
@@ -507,15 +497,9 @@ def replay_sharded(
 
 def sharded_document(result: ShardedReplay, *, require_fixed: bool = False) -> dict[str, Any]:
     """The job's replay as JSON (``replay --format json`` under torchrun)."""
-    from nanrunbook._version import __version__
-    from nanrunbook.capture.torch.capsule._session import REPLAY_FORMAT
-
     capsule = result.capsule
     return {
-        "replay_format": REPLAY_FORMAT,
-        "tool": {"name": "nanrunbook", "version": __version__},
-        "capsule": str(capsule.path),
-        "run": {"run_id": capsule.run_id, "step": capsule.step},
+        **replay_head(capsule.path, capsule.run_id, capsule.step),
         "world_size": capsule.world_size,
         "incident_set": str(result.out / capsule.run_id / str(capsule.step)),
         "verdict": result.verdict,
