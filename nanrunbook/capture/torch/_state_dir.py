@@ -489,12 +489,8 @@ def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _differences(state: Mapping[str, Any], metadata: Metadata) -> list[Violation]:
-    """Keys, shapes and dtypes of ``state`` against the saved state's."""
-    return _differences_flat(_flat(state), metadata.state_dict_metadata)
-
-
 def _differences_flat(flat: Mapping[str, Any], saved: Mapping[str, Any]) -> list[Violation]:
+    """Keys, shapes and dtypes of a flattened state against the saved state's."""
     violations: list[Violation] = []
     missing = sorted(set(flat) - set(saved))
     extra = sorted(set(saved) - set(flat))

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -63,9 +63,12 @@ from nanrunbook.capture.torch.sentinel._snapshot import Buffers, StateSnapshot, 
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code
 
-__all__ = ["Decision", "StepDecider", "scaler_found_inf"]
+__all__ = ["Decision", "Policy", "StepDecider", "Transient", "scaler_found_inf"]
 
 log = logging.getLogger("nanrunbook.sentinel")
+# What the decision does with a non-finite step, and with one its replay did not reproduce.
+Policy = Literal["hold", "skip"]
+Transient = Literal["hold", "rerun"]
 GO, STOP = True, False
 
 
@@ -88,8 +91,8 @@ class StepDecider:
         objects: StepObjects,
         facts: LoopFacts,
         ranks: Ranks,
-        policy: str,
-        transient: str,
+        policy: Policy,
+        transient: Transient,
         thresholds: Thresholds,
         incident_dir: Path,
         local: LocalGradients | OwnGradients | None,

@@ -51,7 +51,7 @@ from nanrunbook.capture.torch.replay import (
     leaf,
 )
 from nanrunbook.capture.torch.sentinel._capture import StepObjects
-from nanrunbook.capture.torch.sentinel._decide import StepDecider
+from nanrunbook.capture.torch.sentinel._decide import Policy, StepDecider, Transient
 from nanrunbook.capture.torch.sentinel._fsdp import (
     OwnGradients,
     is_fully_sharded,
@@ -73,8 +73,6 @@ from nanrunbook.contract import SCALE_RANGE, is_contract_scale
 __all__ = ["Policy", "Sentinel"]
 
 log = logging.getLogger("nanrunbook.sentinel")
-Policy = Literal["hold", "skip"]
-Transient = Literal["hold", "rerun"]
 
 
 def _refuse_closure_optimizer(optimizer: Any) -> None:
@@ -299,11 +297,11 @@ class Sentinel:
 
     @property
     def policy(self) -> Policy:
-        return self._decider.policy  # type: ignore[return-value]
+        return self._decider.policy
 
     @property
     def transient(self) -> Transient:
-        return self._decider.transient  # type: ignore[return-value]
+        return self._decider.transient
 
     @property
     def thresholds(self) -> Thresholds:
