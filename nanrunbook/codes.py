@@ -208,6 +208,10 @@ STATE_DIRECTORY_CODES: dict[str, str] = {
         "DCP's files hold an object weights-only loading refuses, or not what the metadata"
         " says: never run"
     ),
+    "STATE_READ_INTERRUPTED": (
+        "reading the verified tensors failed after the first was written: the state is partly"
+        " the directory's; do not go on from it"
+    ),
     "STATE_KEYS_DIFFER": "the state to load into and the saved state have different keys",
     "STATE_SHAPE_MISMATCH": "a saved tensor's shape differs from the one it would load into",
     "STATE_DTYPE_MISMATCH": "a saved tensor's dtype differs from the one it would load into",

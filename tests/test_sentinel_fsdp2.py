@@ -19,7 +19,7 @@ from test_sentinel_ranks import set_verdict, spawn
 
 from nanrunbook import check_bundle
 from nanrunbook.capture._state_manifest import FORMATS, verify_state_dir
-from nanrunbook.capture.torch._state_dir import read_metadata
+from nanrunbook.capture.torch._dcp_reader import read_metadata
 
 
 def run(tmp: Path, world: int, case: ShardedCase) -> list[dict[str, Any]]:

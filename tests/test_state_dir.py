@@ -21,6 +21,7 @@ from state_dir_support import relist
 
 from nanrunbook.capture import _state_manifest
 from nanrunbook.capture.torch import _state_dir
+from nanrunbook.capture.torch._dcp_reader import read_metadata
 from nanrunbook.capture.torch._state_dir import (
     FORMATS,
     FileDigest,
@@ -28,7 +29,6 @@ from nanrunbook.capture.torch._state_dir import (
     decode_value,
     encode_value,
     load_state_dir,
-    read_metadata,
     verify_state_dir,
     write_state_dir,
 )

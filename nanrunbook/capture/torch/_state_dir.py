@@ -23,7 +23,6 @@ import hashlib
 import io
 import math
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -31,6 +30,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,11 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nanrunbook.capture._state_manifest import (
@@ -52,7 +49,6 @@ from nanrunbook.capture._state_manifest import (
     DCP_METADATA,
     FORMATS,
     MANIFEST_NAME,
-    METADATA_GLOBALS,
     RANKS_KEY,
     STATE_SUBDIR,
     FileDigest,
@@ -69,6 +65,7 @@ from nanrunbook.capture.atomic import (
     write_synced,
 )
 from nanrunbook.capture.incident import rank_member
+from nanrunbook.capture.torch._dcp_reader import WeightsOnlyPlanner, load_restricted, read_metadata
 from nanrunbook.capture.torch._every_rank import agree, from_rank0
 from nanrunbook.errors import Violation, quote
 
@@ -78,12 +75,13 @@ __all__ = [
     "FileDigest",
     "StateDirManifest",
     "StateDirRejected",
+    "StateOutline",
     "decode_value",
     "encode_value",
     "load_state_dir",
     "load_verified_state",
+    "outline_verified_state_dir",
     "rank_documents",
-    "read_metadata",
     "read_state_dir",
     "read_verified_state_dir",
     "verify_state_dir",
@@ -388,100 +386,9 @@ def _digests(
     return found
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only :data:`METADATA_GLOBALS`; anything else is refused unrun."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in METADATA_GLOBALS:
-            raise pickle.UnpicklingError(f"refused global {module}.{name}")
-        found = super().find_class(module, name)
-        if module == "torch" and name != "Size":
-            constant = (torch.dtype, torch.layout, torch.memory_format)
-            if not isinstance(found, constant):
-                raise pickle.UnpicklingError(f"refused global {module}.{name}")
-        return found
-
-
-def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata of a state directory through the restricted unpickler;
-    raises StateDirRejected (STATE_METADATA_REFUSED) on anything else."""
-    try:
-        with open(Path(path) / DCP_METADATA, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as error:
-        raise StateDirRejected(
-            [Violation("STATE_METADATA_REFUSED", DCP_METADATA, f"{quote(error)}: not loaded")]
-        ) from None
-    except OSError as error:
-        raise StateDirRejected(
-            [Violation("STATE_FILE_UNREADABLE", DCP_METADATA, str(error.strerror))]
-        ) from None
-    if not isinstance(metadata, Metadata):
-        message = "the pickle is not DCP's Metadata record"
-        raise StateDirRejected([Violation("STATE_METADATA_REFUSED", DCP_METADATA, message)])
-    return metadata
-
-
-class _RestrictedReader(FileSystemReader):
-    """DCP's file reader with the restricted metadata read."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root / STATE_SUBDIR)
-        self._root = root
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self._root)
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading stored non-tensor values ``weights_only``
-    (DCP's own unpickles them freely)."""
-
-    refused: list[str]
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
-            if not hasattr(self, "refused"):
-                self.refused = []
-            self.refused.append(f"{quote(read_item.dest_index.fqn)}: {_first_line(error)}")
-            raise
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    found = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
-    return found[:200] or type(error).__name__
-
-
-def _load(template: dict[str, Any], root: Path, planner: _WeightsOnlyPlanner) -> None:
-    """DCP's load through the restricted reader and planner; whatever DCP cannot
-    read (an object weights_only refuses, a file that does not hold what the
-    metadata says) is refused, named, never a traceback."""
-    try:
-        with _single_process_quiet():
-            dcp_load(
-                template,
-                storage_reader=_RestrictedReader(root),
-                planner=planner,
-                no_dist=not _distributed(),
-            )
-    except StateDirRejected:
-        raise
-    except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure
-        found = getattr(planner, "refused", [])
-        message = "; ".join(found[:_SHOWN]) if found else _first_line(error)
-        raise StateDirRejected(
-            [Violation("STATE_DATA_REFUSED", STATE_SUBDIR, f"not loaded: {message}")]
-        ) from None
+def _load(template: dict[str, Any], root: Path, planner: WeightsOnlyPlanner) -> None:
+    with _single_process_quiet():
+        load_restricted(template, root, planner)
 
 
 def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -553,7 +460,7 @@ def load_verified_state(
     if differences:
         raise StateDirRejected(differences)
     target = dict(state)
-    _load(target, root, _WeightsOnlyPlanner())
+    _load(target, root, WeightsOnlyPlanner())
     if isinstance(state, dict):
         state.update(target)  # non-tensor values DCP replaced at the top level
 
@@ -598,13 +505,83 @@ def read_verified_state_dir(
             template[key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
         else:
             template[key] = None
-    planner = _WeightsOnlyPlanner(flatten_state_dict=False)
+    planner = WeightsOnlyPlanner(flatten_state_dict=False)
     _load(template, root, planner)
     loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
+    return manifest, _nested(metadata, loaded), _documents(root, manifest)
+
+
+@dataclass(frozen=True)
+class StateOutline:
+    """A verified directory's state before its tensors are read: DCP's metadata
+    (read restricted), every non-tensor value (read weights-only) by DCP's flat
+    key, and the documents. Reading it changes nothing the caller holds."""
+
+    root: Path
+    metadata: Metadata
+    values: Mapping[str, Any] = field(repr=False)
+    documents: Mapping[str, Any] = field(repr=False)
+
+    def saved(self) -> dict[str, Any]:
+        """The state as saved, nested, each tensor a meta tensor of its saved
+        shape and dtype (nothing read): what a load is checked against."""
+        flat = {
+            key: torch.empty(tuple(stored.size), dtype=stored.properties.dtype, device="meta")
+            if isinstance(stored, TensorStorageMetadata)
+            else self.values[key]
+            for key, stored in self.metadata.state_dict_metadata.items()
+        }
+        return _nested(self.metadata, flat)
+
+    def read(self, into: Mapping[str, Any]) -> dict[str, Any]:
+        """Every tensor read, nested as saved: straight into the tensor of
+        ``into`` (a state dict of the same structure, a model's and an
+        optimizer's, say) at its key when that is a CPU tensor of the saved
+        shape and dtype, else into a new one. Only the tensors of ``into`` that
+        are returned change; a record that cannot be read changes none
+        (StateDirRejected)."""
+        live = _flat(into)
+        template: dict[str, Any] = {}
+        for key, stored in self.metadata.state_dict_metadata.items():
+            if not isinstance(stored, TensorStorageMetadata):
+                continue
+            here = live.get(key)
+            size, dtype = tuple(stored.size), stored.properties.dtype
+            if (
+                isinstance(here, torch.Tensor)
+                and here.device.type == "cpu"
+                and (tuple(here.shape), here.dtype) == (size, dtype)
+            ):
+                template[key] = here  # itself: a restore from it copies nothing
+            else:
+                template[key] = torch.empty(size, dtype=dtype)
+        if template:
+            _load(template, self.root, WeightsOnlyPlanner(flatten_state_dict=False))
+        return _nested(self.metadata, {**self.values, **template})
+
+
+def outline_verified_state_dir(path: Path, manifest: StateDirManifest) -> StateOutline:
+    """The outline of a directory the caller has just verified (its tensors are
+    read by :meth:`StateOutline.read`)."""
+    root = Path(path)
+    metadata = read_metadata(root)
+    values: dict[str, Any] = {
+        key: None
+        for key, stored in metadata.state_dict_metadata.items()
+        if not isinstance(stored, TensorStorageMetadata)
+    }
+    if values:
+        planner = WeightsOnlyPlanner(flatten_state_dict=False)
+        _load(values, root, planner)
+        values = dict(planner.state_dict)
+    return StateOutline(root, metadata, values, _documents(root, manifest))
+
+
+def _nested(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
-    for key, value in loaded.items():
+    for key, value in flat.items():
         set_element(nested, _path(metadata, key), value)
-    return manifest, nested, _documents(root, manifest)
+    return nested
 
 
 def _top(metadata: Metadata, key: str) -> str:

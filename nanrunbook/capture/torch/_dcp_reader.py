@@ -1,0 +1,372 @@
+"""How a verified state directory's DCP files are read: the metadata pickle
+through an unpickler that resolves only DCP's own records, every stored
+object ``weights_only``, and each tensor record's bytes read straight into the
+tensor it restores.
+
+DCP's own ``FileSystemReader`` unpickles the metadata freely and reads each
+tensor with ``torch.load`` into a new tensor, then copies that into the target:
+two copies and the weights-only unpickler per tensor. A record that holds
+exactly its target's elements in order (``torch.save`` of a contiguous chunk,
+which is what DCP writes for every plain tensor) is instead read with one
+``preadv`` into the target's memory, on two threads: on a 253 MiB model and
+Adam state, about a quarter of DCP's read. Every other record takes DCP's own
+path. Every record is parsed, and every one of DCP's path loaded, before any
+target is written, so a record that does not parse changes nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
+
+from nanrunbook.capture._state_manifest import (
+    DCP_METADATA,
+    METADATA_GLOBALS,
+    STATE_SUBDIR,
+    StateDirRejected,
+)
+from nanrunbook.errors import Violation, quote
+
+__all__ = ["WeightsOnlyPlanner", "load_restricted", "read_metadata"]
+
+_SHOWN = 4  # refusals named in one violation
+_READ_THREADS = 2  # the in-place reads: two cores
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only :data:`METADATA_GLOBALS`; anything else is refused unrun."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in METADATA_GLOBALS:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        found = super().find_class(module, name)
+        if module == "torch" and name != "Size":
+            constant = (torch.dtype, torch.layout, torch.memory_format)
+            if not isinstance(found, constant):
+                raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        return found
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a state directory through the restricted unpickler;
+    raises StateDirRejected (STATE_METADATA_REFUSED) on anything else."""
+    try:
+        with open(Path(path) / DCP_METADATA, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as error:
+        raise StateDirRejected(
+            [Violation("STATE_METADATA_REFUSED", DCP_METADATA, f"{quote(error)}: not loaded")]
+        ) from None
+    except OSError as error:
+        raise StateDirRejected(
+            [Violation("STATE_FILE_UNREADABLE", DCP_METADATA, str(error.strerror))]
+        ) from None
+    if not isinstance(metadata, Metadata):
+        message = "the pickle is not DCP's Metadata record"
+        raise StateDirRejected([Violation("STATE_METADATA_REFUSED", DCP_METADATA, message)])
+    return metadata
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: torch.dtype | None  # None: an untyped storage (the tensor names its dtype)
+    key: str
+    location: str
+    numel: int  # elements of ``dtype``; bytes for an untyped storage
+
+
+@dataclass(frozen=True)
+class _Rebuilt:
+    storage: _Storage
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> _Rebuilt:
+    if not isinstance(storage, _Storage) or storage.dtype is None:
+        raise pickle.UnpicklingError("not a typed storage")
+    return _Rebuilt(storage, int(offset), tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_v3(
+    storage: Any, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_: Any
+) -> _Rebuilt:
+    if not isinstance(storage, _Storage) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("not an untyped storage and a dtype")
+    return _Rebuilt(storage, int(offset), tuple(size), tuple(stride), dtype)
+
+
+class _UntypedMark:
+    """``torch.storage.UntypedStorage`` as a tensor record names it."""
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """A tensor record's ``data.pkl`` read for its layout alone: which storage,
+    at what offset, with what size, stride and dtype. Its globals are mapped to
+    recorders (nothing of torch's runs); any other global is refused, and the
+    record then goes DCP's own way (``torch.load``, weights-only)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _UntypedMark
+        if module == "torch":
+            found = getattr(torch, name, None)
+            if isinstance(found, torch.dtype):
+                return found
+            if name.endswith("Storage"):
+                return _storage_dtype(name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("not a storage")
+        kind, key, location, numel = pid[1:]
+        dtype = None if kind is _UntypedMark else kind
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("not a storage type")
+        return _Storage(dtype, str(key), str(location), int(numel))
+
+
+def _storage_dtype(name: str) -> torch.dtype:
+    try:
+        return cast(torch.dtype, torch.storage._get_dtype_from_pickle_storage_type(name))
+    except (KeyError, AttributeError) as error:
+        raise pickle.UnpicklingError(name) from error
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a plain tensor record's elements are, in its file."""
+
+    offset: int  # from the file's start
+    nbytes: int
+    size: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _file_view(handle: Any, offset: int, length: int) -> IO[bytes]:
+    return cast(IO[bytes], _create_file_view(handle, offset, length))
+
+
+def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for extent in reversed(size):
+        stride.append(running)
+        running *= max(extent, 1)
+    return tuple(reversed(stride))
+
+
+def _place(handle: Any, offset: int, length: int) -> _Place | None:
+    """The elements of the ``torch.save`` record at ``offset``, ``length`` in
+    ``handle``: where they lie, when the record holds one contiguous tensor of
+    a whole little-endian CPU storage; else None (read DCP's way)."""
+    try:
+        archive = torch._C.PyTorchFileReader(_file_view(handle, offset, length))
+        if (
+            "byteorder" not in archive.get_all_records()
+            or archive.get_record("byteorder") != b"little"
+        ):
+            return None
+        rebuilt = _RecordUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
+        if not isinstance(rebuilt, _Rebuilt):
+            return None
+        storage, size = rebuilt.storage, rebuilt.size
+        numel = math.prod(size)
+        itemsize = rebuilt.dtype.itemsize
+        stored = storage.numel if storage.dtype is not None else storage.numel // itemsize
+        if (
+            rebuilt.offset != 0
+            or stored != numel
+            or (storage.dtype is not None and storage.dtype != rebuilt.dtype)
+            or storage.location != "cpu"
+            or (numel > 1 and rebuilt.stride != _contiguous_stride(size))
+        ):
+            return None
+        name = f"data/{storage.key}"
+        nbytes = numel * itemsize
+        start = archive.get_record_offset(name)  # type: ignore[attr-defined]  # not in torch's stubs
+        if archive.get_record_size(name) != nbytes or start < 0 or start + nbytes > length:
+            return None
+        return _Place(offset + start, nbytes, size, rebuilt.dtype)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError, OSError):
+        return None
+
+
+def _read_exactly(target: torch.Tensor, fd: int, place: _Place) -> None:
+    offset, nbytes = place.offset, place.nbytes
+    view = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    done = 0
+    while done < nbytes:  # preadv may return less (a signal, 2 GiB a call)
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise OSError(f"the file ended {nbytes - done} bytes early")
+        done += count
+
+
+class RestrictedReader(FileSystemReader):
+    """DCP's file reader with the restricted metadata read and the in-place
+    tensor read (the module's docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root / STATE_SUBDIR)
+        self._root = root
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self._root)
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        values = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if values:  # they replace a dict's values: no tensor's memory is written
+            super().read_data(LoadPlan(values), planner).wait()
+        tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        with ExitStack() as files:
+            handles: dict[str, Any] = {}
+            direct: list[tuple[torch.Tensor, int, _Place]] = []
+            held: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for item in tensors:
+                info = self.storage_data[item.storage_index]
+                if info.relative_path not in handles:
+                    path = self.fs.concat_path(self.path, info.relative_path)
+                    handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
+                handle = handles[info.relative_path]
+                target = planner.resolve_tensor(item).detach()
+                place = None
+                if not info.transform_descriptors:
+                    place = _place(handle, info.offset, info.length)
+                if place is not None and _fits(place, item, target):
+                    direct.append((target, handle.fileno(), place))
+                else:
+                    held.append((target, self._load_record(handle, item, info, target)))
+            # Every record parsed and every other one loaded: only now is a
+            # target written.
+            largest_first = sorted(direct, key=lambda each: -each[2].nbytes)
+            try:
+                with ThreadPoolExecutor(_READ_THREADS) as pool:
+                    list(pool.map(lambda each: _read_exactly(*each), largest_first))
+                for target, loaded in held:
+                    target.copy_(loaded)
+            except OSError as error:  # the bytes verified a moment ago: the disk failed
+                message = f"{error}: the state is partly the directory's; do not go on from it"
+                raise StateDirRejected(
+                    [Violation("STATE_READ_INTERRUPTED", STATE_SUBDIR, message)]
+                ) from None
+        for item in tensors:
+            planner.commit_tensor(item, planner.resolve_tensor(item).detach())
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _load_record(
+        self, handle: Any, item: ReadItem, info: Any, target: torch.Tensor
+    ) -> torch.Tensor:
+        """One record DCP's way (its stream transforms, ``torch.load``
+        weights-only, the read's narrowing), into a tensor of its own."""
+        stream = self.transforms.transform_load_stream(
+            item,
+            info.transform_descriptors or (),
+            _file_view(handle, info.offset, info.length),
+        )
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        loaded = torch.load(seekable, map_location="cpu", weights_only=True)
+        loaded = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+        if target.size() != loaded.size():
+            raise ValueError(
+                f"{item.storage_index.fqn}: {list(loaded.size())} read, {list(target.size())} wanted"
+            )
+        return loaded
+
+
+def _fits(place: _Place, item: ReadItem, target: torch.Tensor) -> bool:
+    """The read takes the whole record into a target of its layout."""
+    return (
+        all(offset == 0 for offset in item.storage_offsets)
+        and tuple(item.lengths) == place.size
+        and tuple(target.shape) == place.size
+        and target.dtype == place.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+    )
+
+
+class WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading stored non-tensor values ``weights_only``
+    (DCP's own unpickles them freely)."""
+
+    refused: list[str]
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as error:
+            if not hasattr(self, "refused"):
+                self.refused = []
+            self.refused.append(f"{quote(read_item.dest_index.fqn)}: {_first_line(error)}")
+            raise
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    found = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    return found[:200] or type(error).__name__
+
+
+def load_restricted(template: dict[str, Any], root: Path, planner: WeightsOnlyPlanner) -> None:
+    """DCP's load of ``template`` through the restricted reader and planner;
+    whatever DCP cannot read (an object weights_only refuses, a file that does
+    not hold what the metadata says) is refused, named, never a traceback."""
+    distributed = bool(dist.is_available() and dist.is_initialized())
+    try:
+        dcp_load(
+            template,
+            storage_reader=RestrictedReader(root),
+            planner=planner,
+            no_dist=not distributed,
+        )
+    except StateDirRejected:
+        raise
+    except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure
+        if isinstance(error, CheckpointException):
+            for failure, _ in error.failures.values():
+                if isinstance(failure, StateDirRejected):  # this reader's own: named already
+                    raise failure from None
+        found: Sequence[str] = getattr(planner, "refused", [])
+        message = "; ".join(found[:_SHOWN]) if found else _first_line(error)
+        raise StateDirRejected(
+            [Violation("STATE_DATA_REFUSED", STATE_SUBDIR, f"not loaded: {message}")]
+        ) from None
