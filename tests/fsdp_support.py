@@ -308,7 +308,9 @@ def _ddp_point(root: Path, rank: int, case: ShardedCase) -> dict[str, Any]:
     _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
     uninterrupted = local_state(net, optimizer)
     net, optimizer, scheduler = build()
-    loaded = load_recovery_point(path, model=net, optimizer=optimizer, scheduler=scheduler)
+    loaded = load_recovery_point(
+        path, model=net, optimizer=optimizer, scheduler=scheduler, check_digests=True
+    )
     _noisy_step(partial(_loss, net), optimizer, scheduler, rank, 3, case)
     return {
         "ddp_exactly": loaded.restored_exactly,
@@ -359,7 +361,11 @@ def recovery_worker(rank: int, world: int, tmp: str, case: ShardedCase) -> None:
         fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
         torch.manual_seed(7)  # drawn over by the point's random states
         loaded = load_recovery_point(
-            point.path, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler
+            point.path,
+            model=fresh,
+            optimizer=fresh_optimizer,
+            scheduler=fresh_scheduler,
+            check_digests=True,
         )
         result["restored_exactly"] = loaded.restored_exactly
         result["cursor"] = dict(loaded.cursor or {})

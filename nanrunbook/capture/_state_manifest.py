@@ -331,6 +331,7 @@ def verify_state_dir_reading(
     read: Callable[[StateDirManifest], _Read] | None = None,
     progress: Any = None,
     require_state: bool = True,
+    metadata_unpickled: bool = False,
 ) -> tuple[StateDirManifest | None, tuple[Violation, ...], _Read | None]:
     """:func:`verify_state_dir`, and ``read(manifest)`` run while DCP's data
     files are hashed: only once the manifest, every other file (DCP's metadata
@@ -339,7 +340,12 @@ def verify_state_dir_reading(
     being taken. Its result is returned only when every digest matched too
     (else None, with the violations); a StateDirRejected it raises becomes its
     violations. ``read`` must change nothing the caller keeps until then: it
-    reads into scratch, the caller restores from it after."""
+    reads into scratch, the caller restores from it after.
+    ``metadata_unpickled``: every caller that reads this directory's state
+    reads DCP's metadata through the restricted unpickler, which refuses every
+    global the opcode scan would (the scan, for a verification that never
+    unpickles, then is not run: on a 253 MiB point's 39 KB metadata it took
+    17 ms of a core, the restricted unpickling 2 ms)."""
     root = Path(path)
     if not root.is_dir() or root.is_symlink():
         what = "is a symlink" if root.is_symlink() else "is not a directory"
@@ -387,7 +393,7 @@ def verify_state_dir_reading(
         found: dict[str, list[Violation]] = {}
         for name in sorted(set(manifest.files) - data):
             found[name] = _check_file(root, name, manifest.files[name], on_disk, shared)
-            if name == DCP_METADATA and not found[name]:
+            if name == DCP_METADATA and not found[name] and not metadata_unpickled:
                 found[name].extend(_metadata_violations(root))
         result: _Read | None = None
         read_violations: list[Violation] = []

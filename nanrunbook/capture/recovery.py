@@ -205,13 +205,18 @@ def verified_reading(
     *,
     read: Callable[[StateDirManifest], _Read] | None = None,
     progress: Any = None,
+    metadata_unpickled: bool = False,
 ) -> tuple[RecoveryVerification, StateDirManifest | None, _Read | None]:
     """:func:`verified_manifest`, with ``read(manifest)`` run while the point's
-    data files are hashed (``verify_state_dir_reading``); its result only when
-    the point verified."""
+    data files are hashed (``verify_state_dir_reading``, ``metadata_unpickled``
+    as there); its result only when the point verified."""
     root = Path(path)
     manifest, found, result = verify_state_dir_reading(
-        root, kind_format=FORMAT, read=read, progress=progress
+        root,
+        kind_format=FORMAT,
+        read=read,
+        progress=progress,
+        metadata_unpickled=metadata_unpickled,
     )
     violations = list(found)
     if manifest is None:

@@ -2,11 +2,12 @@
 scheduler, the GradScaler, the data position and the random states as exact
 JSON documents, one manifest over all of it (``capture/torch/_state_dir.py``).
 
-Loading reads the whole point into fresh tensors while its data files are
-hashed (``capture/recovery.py``, every violation; the manifest, DCP's metadata
-and the documents verified before anything is read), checks every part against
-the objects it will go into, and only then restores them: a refused point
-changes nothing.
+Loading verifies every file first (``capture/recovery.py``, every violation;
+DCP's metadata, the non-tensor values and the documents are read meanwhile,
+restricted and weights-only), checks every part against the object it will go
+into, and only then reads the tensors, straight into the run's own where they
+fit (``capture/torch/_dcp_reader.py``): a refused point changes nothing, and
+the resume holds no second copy of the state.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from nanrunbook.capture.torch._every_rank import agree, gather
 from nanrunbook.capture.torch._faithfulness import HostRandom
 from nanrunbook.capture.torch._state_dir import (
     StateDirManifest,
+    StateOutline,
     decode_value,
     encode_value,
     load_verified_state,
+    outline_verified_state_dir,
     rank_documents,
     read_verified_state_dir,
     write_state_dir,
@@ -438,52 +441,63 @@ def load_recovery_point(
     extra: Mapping[str, torch.Tensor] | None = None,
     generators: Iterable[Any] = (),
     progress: Any = None,
-    check_digests: bool = True,
+    check_digests: bool = False,
 ) -> LoadedRecoveryPoint:
     """Verify the point, then restore every part bit for bit: parameters and
     buffers, optimizer state, scheduler, scaler, the loader's position (a
     loader or sampler with ``load_state_dict``) and the random states, so the
     next batches and the next step are those the run would have had. Raises
     StateDirRejected naming every violation (a part missing, a digest, keys,
-    shapes or dtypes that differ) before anything is changed. ``check_digests``:
-    compare the restored model and optimizer state with the point's, bit for
-    bit, and digest it (``digests_match``, ``restored_digests``: one more
-    SHA-256 pass over the state)."""
+    shapes or dtypes that differ) before anything is changed.
+    ``check_digests`` (what ``prove`` records): read the point once more into
+    scratch, compare the restored model, optimizer and extra state with it bit
+    for bit and digest it (``digests_match``, ``restored_digests``): one more
+    read and SHA-256 pass, and a copy of the state in memory."""
 
-    # The point is read into fresh tensors while its data files are hashed, and
-    # used only once every digest matched: a refused point changes nothing. A
-    # point every rank wrote is verified here and read by DCP collectively.
-    def read(manifest: StateDirManifest) -> Any:
+    # The point's metadata, its non-tensor values and its documents are read
+    # while its data files are hashed; once every digest matched, each part is
+    # checked against the object it goes into, and only then are the tensors
+    # read, straight into the run's own where they fit: a refused point changes
+    # nothing. A point every rank wrote is read by DCP collectively.
+    root = Path(path)
+
+    def outline(manifest: StateDirManifest) -> StateOutline | None:
         if RANKS_KEY in manifest.header:
             return None
-        return read_verified_state_dir(Path(path), manifest)
+        return outline_verified_state_dir(root, manifest)
 
-    verification, manifest, reading = verified_reading(path, read=read, progress=progress)
+    verification, manifest, outlined = verified_reading(
+        root, read=outline, progress=progress, metadata_unpickled=True
+    )
     if not verification.verified or manifest is None:
         raise verification.rejected()
     gens = tuple(generators)
     if RANKS_KEY in manifest.header:
         return _load_every_rank(
-            Path(path), manifest, verification, model, optimizer, scheduler, scaler,
+            root, manifest, verification, model, optimizer, scheduler, scaler,
             data, extra, gens, check_digests=check_digests,
         )  # fmt: skip
-    if reading is None:  # read() reads every point one process wrote
+    if outlined is None:  # outline() reads every point one process wrote
         raise verification.rejected()
-    _, saved, documents = reading
-    saved_model = saved.get("model", {})
-    saved_optimizer = _optimizer_state(saved.get("optimizer", {}))
+    outline_saved, documents = outlined.saved(), outlined.documents
     violations = [
-        *_model_violations(saved_model, model),
-        *_optimizer_violations(saved_optimizer, optimizer),
+        *_model_violations(outline_saved.get("model", {}), model),
+        *_optimizer_violations(_optimizer_state(outline_saved.get("optimizer", {})), optimizer),
         *_object_violations("scheduler", documents["scheduler"], scheduler),
         *_object_violations("scaler", documents["scaler"], scaler),
         *_data_violations(documents["data_position"], data),
         *_rng_violations(documents["rng"], gens),
-        *_extra_violations(saved.get("extra", {}), extra),
+        *_extra_violations(outline_saved.get("extra", {}), extra),
     ]
     if violations:
         raise StateDirRejected(violations)
-    model.load_state_dict(saved_model, strict=True)
+    live: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if extra:
+        live["extra"] = dict(extra)
+    saved = outlined.read(live)
+    saved_model = saved.get("model", {})
+    saved_optimizer = _optimizer_state(saved.get("optimizer", {}))
+    model.load_state_dict(saved_model, strict=True)  # a tensor read in place copies nothing
     optimizer.load_state_dict(saved_optimizer)
     cursor = _restore_documents(documents, scheduler, scaler, data)
     if extra:
@@ -495,16 +509,18 @@ def load_recovery_point(
     restored: dict[str, str] = {}
     exact = False
     if check_digests:
-        pairs = [("model", model.state_dict(), saved_model)]
-        pairs.append(("optimizer", optimizer.state_dict(), saved_optimizer))
+        # The point read once more, into scratch: the restored state compared
+        # with it bit for bit, and its digest taken, each part on a thread.
+        _, held, _ = read_verified_state_dir(root, manifest)
+        pairs = [("model", model.state_dict(), held.get("model", {}))]
+        pairs.append(
+            ("optimizer", optimizer.state_dict(), _optimizer_state(held.get("optimizer", {})))
+        )
         if extra:
-            pairs.append(("extra", dict(extra), saved["extra"]))
-        # The read state was verified against the manifest; the live one compared
-        # with it bit for bit: one digest stands for both. Each part's digest on
-        # a thread of its own while the comparison runs (both release the GIL).
+            pairs.append(("extra", dict(extra), held["extra"]))
         with ThreadPoolExecutor(len(pairs)) as pool:
-            digests = {part: pool.submit(state_digest, held) for part, _, held in pairs}
-            exact = all(same_state(live, held) for _, live, held in pairs)
+            digests = {part: pool.submit(state_digest, kept) for part, _, kept in pairs}
+            exact = all(same_state(now, kept) for _, now, kept in pairs)
             restored = {part: digest.result() for part, digest in digests.items()}
     return LoadedRecoveryPoint(point, verification, restored, exact, cursor, documents["rng"], gens)
 

@@ -314,6 +314,7 @@ def prove_recovery(
         scaler=run.scaler,
         data=run.loader if restorable else None,
         generators=run.generators,
+        check_digests=True,  # the record says the resumed state is the point's
     )
     stack = contextlib.ExitStack()
     applied = _Applied(change, run, stack, facts["objective"])  # one that cannot: refused here
