@@ -8,7 +8,11 @@ the same run (issue 28's numbers):
 * resume: ``load_recovery_point`` (verify every file, check every part, read
   the tensors into the live ones, restore) against ``dcp.load`` into the live
   state dict (budget: 1.2x); and, unbudgeted, with ``check_digests=True``
-  (what ``prove`` records: the point read once more, compared and digested).
+  (what ``prove`` records: the point read once more, compared and digested);
+* resume into a new process's objects (a model as built, an optimizer without
+  state): ``load_recovery_point`` against DCP's own flow for it
+  (``get_state_dict``, which makes the optimizer's state, ``dcp.load`` and
+  ``set_state_dict``), unbudgeted.
 
 The state is an MLP's parameters and its Adam moments (about ``--megabytes``
 in all), on the CPU; files are in the page cache (each is read once before
@@ -45,7 +49,7 @@ from sha_floor import sha_stream
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
 
-def build(megabytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(megabytes: int) -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
     """An MLP whose parameters and Adam state total about ``megabytes`` MiB."""
     width = 1024
     layers = max(1, round(megabytes * 2**20 / 3 / 4 / (width * width)))
@@ -85,6 +89,17 @@ def _nothing() -> None:
     pass
 
 
+def _as_built(model: torch.nn.Sequential) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of ``model``'s shape as a new process builds it, and its Adam
+    with no state yet."""
+    torch.manual_seed(1)
+    first = model[0]
+    assert isinstance(first, torch.nn.Linear)
+    width = first.in_features
+    built = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(len(model))))
+    return built, torch.optim.Adam(built.parameters(), lr=1e-3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=int, default=256)
@@ -96,7 +111,7 @@ def main() -> None:
         dcp_dir, point = root / "dcp", root / "point"
 
         def clear(*paths: Path) -> Callable[[], None]:
-            return lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths]  # type: ignore[func-returns-value]
+            return lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths]  # type: ignore[func-returns-value,return-value]
 
         def dcp_save_once() -> None:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -120,6 +135,35 @@ def main() -> None:
         def ours_load_digested() -> None:
             load_recovery_point(point, model=model, optimizer=optimizer, check_digests=True)
 
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        fresh_dcp = root / "dcp-fresh"  # saved as DCP's flow saves it (parameter names)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp_save(
+            {"model": model_state, "optimizer": optimizer_state},
+            storage_writer=FileSystemWriter(fresh_dcp, sync_files=True),
+            no_dist=True,
+        )
+        new: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = []
+
+        def build_new() -> None:
+            new[:] = [_as_built(model)]
+
+        def ours_into_new() -> None:
+            load_recovery_point(point, model=new[0][0], optimizer=new[0][1])
+
+        def dcp_into_new() -> None:
+            built, built_optimizer = new[0]
+            model_state, optimizer_state = get_state_dict(built, built_optimizer)
+            state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+            dcp_load(state, storage_reader=FileSystemReader(fresh_dcp), no_dist=True)
+            set_state_dict(
+                built,
+                built_optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+
         saved_dcp, saved_point = root / "dcp-save", root / "point-save"
 
         def dcp_save_again() -> None:
@@ -139,12 +183,15 @@ def main() -> None:
                 "dcp_load": (dcp_load_once, _nothing),
                 "load": (ours_load_once, _nothing),
                 "load_digested": (ours_load_digested, _nothing),
+                "new_load": (ours_into_new, build_new),
+                "new_dcp_load": (dcp_into_new, build_new),
             },
             args.repeat,
         )
         t_dcp_save, t_save, t_sha = medians["dcp_save"], medians["save"], medians["sha"]
         t_verify, t_dcp_load = medians["verify"], medians["dcp_load"]
         t_load, t_load_digested = medians["load"], medians["load_digested"]
+        t_new, t_new_dcp = medians["new_load"], medians["new_dcp_load"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mib = size / 2**20
@@ -166,6 +213,10 @@ def main() -> None:
     print(
         f"resume with the restored state's digests (check_digests=True, as prove)"
         f"  {t_load_digested:.3f} s   ratio {t_load_digested / t_dcp_load:.2f}"
+    )
+    print(
+        f"resume into a new process's objects  {t_new:.3f} s   DCP's flow (get_state_dict,"
+        f" dcp.load, set_state_dict) {t_new_dcp:.3f} s   ratio {t_new / t_new_dcp:.2f}"
     )
 
 

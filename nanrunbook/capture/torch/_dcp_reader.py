@@ -20,7 +20,7 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.utils import _create_file_view
@@ -48,7 +48,13 @@ from nanrunbook.capture._state_manifest import (
 )
 from nanrunbook.errors import Violation, quote
 
-__all__ = ["WeightsOnlyPlanner", "load_restricted", "read_metadata"]
+__all__ = [
+    "RecordPlaces",
+    "WeightsOnlyPlanner",
+    "load_restricted",
+    "read_metadata",
+    "record_places",
+]
 
 _SHOWN = 4  # refusals named in one violation
 _READ_THREADS = 2  # the in-place reads: two cores
@@ -221,6 +227,41 @@ def _place(handle: Any, offset: int, length: int) -> _Place | None:
         return None
 
 
+def _place_of(handle: Any, info: Any) -> _Place | None:
+    if info.transform_descriptors:  # compressed, say: DCP's own way
+        return None
+    return _place(handle, info.offset, info.length)
+
+
+@dataclass(frozen=True)
+class RecordPlaces:
+    """Where each tensor record's elements lie (None: read DCP's way), found
+    ahead of the read: :func:`record_places`."""
+
+    found: Mapping[Any, _Place | None]
+
+
+def record_places(root: Path, metadata: Metadata) -> RecordPlaces:
+    """Every tensor record of a state directory parsed for where its elements
+    lie (a caller parses them while the files are still being hashed; the read
+    then only reads). Nothing is written."""
+    tensors = {
+        key for key, stored in metadata.state_dict_metadata.items()
+        if isinstance(stored, TensorStorageMetadata)
+    }  # fmt: skip
+    found: dict[Any, _Place | None] = {}
+    with ExitStack() as files:
+        handles: dict[str, Any] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            if index.fqn not in tensors:
+                continue
+            if info.relative_path not in handles:
+                path = Path(root) / STATE_SUBDIR / info.relative_path
+                handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
+            found[index] = _place_of(handles[info.relative_path], info)
+    return RecordPlaces(found)
+
+
 def _read_exactly(target: torch.Tensor, fd: int, place: _Place) -> None:
     offset, nbytes = place.offset, place.nbytes
     view = target.reshape(-1).view(torch.uint8).numpy().data.cast("B")
@@ -236,9 +277,10 @@ class RestrictedReader(FileSystemReader):
     """DCP's file reader with the restricted metadata read and the in-place
     tensor read (the module's docstring)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, places: RecordPlaces | None = None) -> None:
         super().__init__(root / STATE_SUBDIR)
         self._root = root
+        self._places = places
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(self._root)
@@ -262,9 +304,10 @@ class RestrictedReader(FileSystemReader):
                     handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
                 handle = handles[info.relative_path]
                 target = planner.resolve_tensor(item).detach()
-                place = None
-                if not info.transform_descriptors:
-                    place = _place(handle, info.offset, info.length)
+                if self._places is not None and item.storage_index in self._places.found:
+                    place = self._places.found[item.storage_index]
+                else:
+                    place = _place_of(handle, info)
                 if place is not None and _fits(place, item, target):
                     direct.append((target, handle.fileno(), place))
                 else:
@@ -346,7 +389,12 @@ def _first_line(error: BaseException) -> str:
     return found[:200] or type(error).__name__
 
 
-def load_restricted(template: dict[str, Any], root: Path, planner: WeightsOnlyPlanner) -> None:
+def load_restricted(
+    template: dict[str, Any],
+    root: Path,
+    planner: WeightsOnlyPlanner,
+    places: RecordPlaces | None = None,
+) -> None:
     """DCP's load of ``template`` through the restricted reader and planner;
     whatever DCP cannot read (an object weights_only refuses, a file that does
     not hold what the metadata says) is refused, named, never a traceback."""
@@ -354,7 +402,7 @@ def load_restricted(template: dict[str, Any], root: Path, planner: WeightsOnlyPl
     try:
         dcp_load(
             template,
-            storage_reader=RestrictedReader(root),
+            storage_reader=RestrictedReader(root, places),
             planner=planner,
             no_dist=not distributed,
         )

@@ -65,7 +65,13 @@ from nanrunbook.capture.atomic import (
     write_synced,
 )
 from nanrunbook.capture.incident import rank_member
-from nanrunbook.capture.torch._dcp_reader import WeightsOnlyPlanner, load_restricted, read_metadata
+from nanrunbook.capture.torch._dcp_reader import (
+    RecordPlaces,
+    WeightsOnlyPlanner,
+    load_restricted,
+    read_metadata,
+    record_places,
+)
 from nanrunbook.capture.torch._every_rank import agree, from_rank0
 from nanrunbook.errors import Violation, quote
 
@@ -386,9 +392,14 @@ def _digests(
     return found
 
 
-def _load(template: dict[str, Any], root: Path, planner: WeightsOnlyPlanner) -> None:
+def _load(
+    template: dict[str, Any],
+    root: Path,
+    planner: WeightsOnlyPlanner,
+    places: RecordPlaces | None = None,
+) -> None:
     with _single_process_quiet():
-        load_restricted(template, root, planner)
+        load_restricted(template, root, planner, places)
 
 
 def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -515,12 +526,14 @@ def read_verified_state_dir(
 class StateOutline:
     """A verified directory's state before its tensors are read: DCP's metadata
     (read restricted), every non-tensor value (read weights-only) by DCP's flat
-    key, and the documents. Reading it changes nothing the caller holds."""
+    key, the documents, and where each tensor record's elements lie. Making it
+    changes nothing the caller holds."""
 
     root: Path
     metadata: Metadata
     values: Mapping[str, Any] = field(repr=False)
     documents: Mapping[str, Any] = field(repr=False)
+    places: RecordPlaces = field(repr=False)  # where each tensor record's elements lie
 
     def saved(self) -> dict[str, Any]:
         """The state as saved, nested, each tensor a meta tensor of its saved
@@ -556,7 +569,8 @@ class StateOutline:
             else:
                 template[key] = torch.empty(size, dtype=dtype)
         if template:
-            _load(template, self.root, WeightsOnlyPlanner(flatten_state_dict=False))
+            planner = WeightsOnlyPlanner(flatten_state_dict=False)
+            _load(template, self.root, planner, self.places)
         return _nested(self.metadata, {**self.values, **template})
 
 
@@ -574,7 +588,8 @@ def outline_verified_state_dir(path: Path, manifest: StateDirManifest) -> StateO
         planner = WeightsOnlyPlanner(flatten_state_dict=False)
         _load(values, root, planner)
         values = dict(planner.state_dict)
-    return StateOutline(root, metadata, values, _documents(root, manifest))
+    places = record_places(root, metadata)
+    return StateOutline(root, metadata, values, _documents(root, manifest), places)
 
 
 def _nested(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
