@@ -330,8 +330,8 @@ def _run_step(loaded: _Loaded, step: int) -> tuple[Any, bool | None]:
     evidence, and whether this rank's own gradients were finite before the
     reduce-scatter."""
     from nanrunbook.capture.torch._copies import clone_batch
+    from nanrunbook.capture.torch._shards import local
     from nanrunbook.capture.torch.sentinel._fsdp import OwnGradients, replicated
-    from nanrunbook.capture.torch.sentinel._shards import local
     from nanrunbook.capture.torch.sentinel._snapshot import Buffers
     from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
 
