@@ -24,9 +24,6 @@ FEATURES = frozenset({"capsule", "recovery", "replay", "sentinel", "sharded_repl
 # the owner's face, as (importing module, imported module). Empty when done.
 NOT_YET_THROUGH_FACES: frozenset[tuple[str, str]] = frozenset(
     {
-        ("nanrunbook.capture.mechanisms", "nanrunbook.capture.torch.replay"),
-        ("nanrunbook.capture.mechanisms", "nanrunbook.capture.torch.replay._mechanisms"),
-        ("nanrunbook.capture.torch.recovery._prove", "nanrunbook.capture.torch.replay._mechanisms"),
         ("nanrunbook.capture.torch.sentinel._fsdp", "nanrunbook.capture.torch.capsule._sharded"),
         *(
             (
@@ -89,9 +86,12 @@ def _crossings() -> dict[tuple[str, str], list[str]]:
         if owner is None or owner == _feature(each.importer):
             continue
         inside = each.target.split(".")[4:]
-        if any(part.startswith("_") for part in inside) or any(
-            name.startswith("_") for name in each.names
-        ):
+        private = [name for name in each.names if name.startswith("_")]
+        if private:
+            found.setdefault((each.importer, each.target), []).append(
+                f"{each.where} ({', '.join(private)})"
+            )
+        elif any(part.startswith("_") for part in inside):
             found.setdefault((each.importer, each.target), []).append(each.where)
     return found
 
