@@ -24,7 +24,6 @@ FEATURES = frozenset({"capsule", "recovery", "replay", "sentinel", "sharded_repl
 # the owner's face, as (importing module, imported module). Empty when done.
 NOT_YET_THROUGH_FACES: frozenset[tuple[str, str]] = frozenset(
     {
-        ("nanrunbook.capture.torch.sentinel._fsdp", "nanrunbook.capture.torch.capsule._sharded"),
         *(
             (
                 "nanrunbook.capture.torch.sharded_replay._replay",

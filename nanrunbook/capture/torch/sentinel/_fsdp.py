@@ -36,7 +36,7 @@ import torch
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
 from nanrunbook.capture.torch._shards import is_dtensor, local
-from nanrunbook.capture.torch.capsule._sharded import BindingFacts, write_sharded_capsule
+from nanrunbook.capture.torch.capsule import BindingFacts, write_sharded_capsule
 from nanrunbook.capture.torch.replay import (
     ForwardCapture,
     Replayed,
