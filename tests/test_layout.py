@@ -20,20 +20,6 @@ PACKAGE = ROOT / "nanrunbook"
 TORCH_SIDE = "nanrunbook.capture.torch"
 FEATURES = frozenset({"capsule", "recovery", "replay", "sentinel", "sharded_replay", "shrink"})
 
-# Crossings into a private module or name that are still to be taken through
-# the owner's face, as (importing module, imported module). Empty when done.
-NOT_YET_THROUGH_FACES: frozenset[tuple[str, str]] = frozenset(
-    {
-        *(
-            (
-                "nanrunbook.capture.torch.sharded_replay._replay",
-                f"nanrunbook.capture.torch.sentinel.{m}",
-            )
-            for m in ("_capture", "_fsdp", "_snapshot", "_steps")
-        ),
-    }
-)
-
 
 @dataclass(frozen=True)
 class Import:
@@ -97,13 +83,12 @@ def _crossings() -> dict[tuple[str, str], list[str]]:
 
 def test_no_feature_is_reached_through_its_private_modules_or_names() -> None:
     crossings = _crossings()
-    new = {key: where for key, where in crossings.items() if key not in NOT_YET_THROUGH_FACES}
-    assert not new, "through a private module or name, not the package's face:\n" + "\n".join(
-        f"{importer} imports {target} at {', '.join(where)}"
-        for (importer, target), where in sorted(new.items())
+    assert not crossings, "through a private module or name, not the package's face:\n" + (
+        "\n".join(
+            f"{importer} imports {target} at {', '.join(where)}"
+            for (importer, target), where in sorted(crossings.items())
+        )
     )
-    stale = NOT_YET_THROUGH_FACES - crossings.keys()
-    assert not stale, f"no longer crossing, take out of NOT_YET_THROUGH_FACES: {sorted(stale)}"
 
 
 def test_the_torch_level_helpers_are_below_every_feature() -> None:
