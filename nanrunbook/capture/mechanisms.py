@@ -64,7 +64,7 @@ from nanrunbook.capture._changes import (
 )
 
 if TYPE_CHECKING:
-    from nanrunbook.capture.torch.replay._mechanisms import autocast_off, replay_changed
+    from nanrunbook.capture.torch.replay import autocast_off, replay_changed
 
 __all__ = [
     "MECHANISMS",
@@ -87,14 +87,14 @@ __all__ = [
 ]
 
 # What a change means lives in capture/_changes.py, torch-free; applying one to a
-# replay needs torch and lives in capture/torch/replay/_mechanisms.py, imported on
+# replay needs torch and lives in capture/torch/replay/ (its face), imported on
 # first use.
 _APPLIED = ("autocast_off", "replay_changed")
 
 
 def __getattr__(name: str) -> Any:
     if name in _APPLIED:
-        from nanrunbook.capture.torch.replay import _mechanisms
+        from nanrunbook.capture.torch import replay
 
-        return getattr(_mechanisms, name)
+        return getattr(replay, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

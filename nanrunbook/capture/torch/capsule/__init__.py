@@ -9,7 +9,11 @@ whole appearing atomically. :class:`Capsule` opens, verifies and loads one
 into the objects the user's entry builds; :class:`LoadedStep` replays it,
 as recorded or with one mechanism changed (``nanrunbook replay``). A capsule
 every rank of an FSDP2 job wrote is replayed by a job of its world size
-(``capture.torch.sharded_replay``, ``nanrunbook replay`` under ``torchrun``).
+(``capture.torch.sharded_replay``, ``nanrunbook replay`` under ``torchrun``);
+the sentinel writes that one at an FSDP2 hold, every rank together
+(:func:`write_sharded_capsule`, given each rank's :class:`BindingFacts`).
+The sentinel uses this package through the names below; nothing here
+imports the sentinel.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from nanrunbook.capture.torch.capsule._session import (
     replay_document,
     replay_head,
 )
+from nanrunbook.capture.torch.capsule._sharded import BindingFacts, write_sharded_capsule
 from nanrunbook.capture.torch.capsule._write import CAPSULE_FORMAT, HeldStep, write_capsule
 
 __all__ = [
     "CAPSULE_FORMAT",
+    "BindingFacts",
     "Capsule",
     "CapsuleRefused",
     "CapsuleReplay",
@@ -52,6 +58,7 @@ __all__ = [
     "replay_head",
     "write_capsule",
     "write_held_capsule",
+    "write_sharded_capsule",
 ]
 
 log = logging.getLogger("nanrunbook.sentinel")

@@ -33,6 +33,7 @@ from nanrunbook.capture.recovery import (
 )
 from nanrunbook.capture.torch._every_rank import agree, gather
 from nanrunbook.capture.torch._faithfulness import HostRandom
+from nanrunbook.capture.torch._shards import local
 from nanrunbook.capture.torch._state_dir import (
     StateDirManifest,
     StateOutline,
@@ -44,7 +45,6 @@ from nanrunbook.capture.torch._state_dir import (
     read_verified_state_dir,
     write_state_dir,
 )
-from nanrunbook.capture.torch.sentinel._shards import local
 from nanrunbook.errors import Violation, quote
 from nanrunbook.manifest.fields import IDENTIFIER
 

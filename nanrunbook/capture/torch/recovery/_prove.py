@@ -51,6 +51,13 @@ from nanrunbook.capture.recovery import (
 )
 from nanrunbook.capture.torch._entry import Built, EntryError, built_from
 from nanrunbook.capture.torch.recovery._point import load_recovery_point
+from nanrunbook.capture.torch.replay import (
+    autocast_as,
+    autocast_off,
+    changed_examples,
+    changed_optimizer_values,
+    changed_reduction,
+)
 from nanrunbook.check import check_bundle
 from nanrunbook.contract import CONTINUE, SCALE_RANGE, is_contract_scale
 from nanrunbook.diff import FIXED, ONE_MECHANISM_CHANGED, diff_bundles
@@ -75,8 +82,6 @@ class _Applied:
         stack: contextlib.ExitStack,
         objective: Mapping[str, Any],
     ) -> None:
-        from nanrunbook.capture.torch.replay._mechanisms import _reduction
-
         self.change, self.run, self.stack, self.on = change, run, stack, False
         self.failed: str | None = None  # why the change did not apply at the incident step
         self.clip: float | None = None
@@ -103,7 +108,9 @@ class _Applied:
                 raise EntryError(f"{said}: a max norm is a positive number")
         elif isinstance(change, Reduction):
             try:
-                plan = _reduction(change.to, None, run.compute_loss, None, {"objective": objective})
+                plan = changed_reduction(
+                    change.to, None, run.compute_loss, None, {"objective": objective}
+                )
             except ValueError as error:
                 raise EntryError(f"{said}: {error}") from None
             self._rewritten, self._acted, self._why_not = plan, plan.acted, plan.why_not
@@ -116,11 +123,11 @@ class _Applied:
     def _set_values(self, stack: contextlib.ExitStack) -> str:
         """The change's optimizer values, set until ``stack`` closes (replay's
         helper); what changed."""
-        from nanrunbook.capture.torch.replay._mechanisms import _hyperparameters
-
         assert isinstance(self.change, LearningRate | AdamEps)
         try:
-            return str(stack.enter_context(_hyperparameters(self.change, self.run.optimizer)))
+            return str(
+                stack.enter_context(changed_optimizer_values(self.change, self.run.optimizer))
+            )
         except ValueError as error:
             raise EntryError(f"--change {change_text(self.change)}: {error}") from None
 
@@ -158,8 +165,6 @@ class _Applied:
             self.stack.callback(torch.use_deterministic_algorithms, False, warn_only=warn_only)
             note = "deterministic algorithms on"
         elif isinstance(change, BatchExamples):
-            from nanrunbook.capture.torch.replay._mechanisms import changed_examples
-
             try:
                 [batch], note = changed_examples(change, [batch])
             except ValueError as error:
@@ -181,8 +186,6 @@ class _Applied:
         return self.failed
 
     def compute_loss(self, model: Any, batch: Any) -> Any:
-        from nanrunbook.capture.torch.replay._mechanisms import autocast_as, autocast_off
-
         if self.on and isinstance(self.change, WithoutAutocast):
             with autocast_off():
                 return self._loss(model, batch)

@@ -4,7 +4,10 @@ recipe (micro-batches, RNG state, autocast regions, loss scaling, clipping) and 
 binding the bundle records.
 
 The sentinel (``capture.torch.sentinel``) and shrink (``capture.torch.shrink``)
-replay through the names below, never through this package's private modules.
+replay through the names below, never through this package's private modules;
+so do a resumed run's changes (``capture.torch.recovery``) and the torch-free
+``capture.mechanisms``, which loads ``replay_changed`` and ``autocast_off``
+from here on first use.
 """
 
 from nanrunbook.capture.torch.replay._binding import (
@@ -17,7 +20,16 @@ from nanrunbook.capture.torch.replay._binding import (
     scheduler_binding,
     topology_binding,
 )
-from nanrunbook.capture.torch.replay._mechanisms import RecipeChange, changed_recipe
+from nanrunbook.capture.torch.replay._mechanisms import (
+    RecipeChange,
+    autocast_as,
+    autocast_off,
+    changed_examples,
+    changed_optimizer_values,
+    changed_recipe,
+    changed_reduction,
+    replay_changed,
+)
 from nanrunbook.capture.torch.replay._recording import (
     ExtremesSampler,
     ForwardCapture,
@@ -60,9 +72,14 @@ __all__ = [
     "Scaling",
     "StepRecipe",
     "add_weight",
+    "autocast_as",
+    "autocast_off",
     "batch_binding",
     "bind",
+    "changed_examples",
+    "changed_optimizer_values",
     "changed_recipe",
+    "changed_reduction",
     "cuda_devices",
     "heaviest",
     "leaf",
@@ -71,6 +88,7 @@ __all__ = [
     "model_binding",
     "model_item",
     "probe",
+    "replay_changed",
     "replay_recipe",
     "replay_step",
     "rng_state_for",

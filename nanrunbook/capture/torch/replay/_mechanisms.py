@@ -46,9 +46,12 @@ from nanrunbook.contract import SCALE_RANGE, is_contract_scale
 
 __all__ = [
     "RecipeChange",
+    "autocast_as",
     "autocast_off",
     "changed_examples",
+    "changed_optimizer_values",
     "changed_recipe",
+    "changed_reduction",
     "replay_changed",
 ]
 
@@ -117,7 +120,7 @@ def _plan(
     if isinstance(change, LossScale):
         return _loss_scale(change.scale, batch, compute_loss, scaler, binding)
     if isinstance(change, Reduction):
-        return _reduction(change.to, batch, compute_loss, scaler, binding)
+        return changed_reduction(change.to, batch, compute_loss, scaler, binding)
     if isinstance(change, OtherBatch):
         if _same_batch(batch, change.batch):
             raise ValueError("the other batch is bit for bit the batch: nothing would change")
@@ -322,9 +325,13 @@ def _reduction_signature(func: Any) -> inspect.Signature | None:
     return _SIGNATURES[func]
 
 
-def _reduction(
+def changed_reduction(
     to: str, batch: Any, compute_loss: Loss, scaler: Any, binding: dict[str, Any]
 ) -> _Plan:
+    """The plan of a replay whose ``compute_loss`` calls its loss functions with
+    reduction ``to`` instead of the binding objective's (also a resumed run's,
+    ``prove_recovery``); ValueError when the binding states no reduction or
+    ``to`` is not another one."""
     objective = binding.get("objective")
     if objective is None or "reduction" not in objective:
         raise ValueError("the binding's objective needs its reduction to change it")
@@ -414,7 +421,7 @@ def changed_recipe(
     elif isinstance(change, ClipMaxNorm):
         yield _clipped(change, recipe, optimizer, items)
     elif isinstance(change, LearningRate | AdamEps):
-        with _hyperparameters(change, optimizer) as note:
+        with changed_optimizer_values(change, optimizer) as note:
             yield RecipeChange(recipe, items, note, change.item)
     elif isinstance(change, Deterministic):
         if torch.are_deterministic_algorithms_enabled():
@@ -557,7 +564,11 @@ def _clipped(
 
 
 @contextlib.contextmanager
-def _hyperparameters(change: LearningRate | AdamEps, optimizer: Any) -> Iterator[str]:
+def changed_optimizer_values(change: LearningRate | AdamEps, optimizer: Any) -> Iterator[str]:
+    """Within the block, ``optimizer``'s learning rates or ``eps`` as ``change``
+    says (a replay's, or a resumed run's from the incident step on); yields
+    what changed, said. ValueError when a group cannot take it or nothing
+    would change."""
     groups = optimizer.param_groups
     key = "lr" if isinstance(change, LearningRate) else "eps"
     if isinstance(change, LearningRate):

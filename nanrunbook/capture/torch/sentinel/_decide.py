@@ -39,6 +39,7 @@ from nanrunbook.capture.telemetry import (
     norm_overflow_alerts,
 )
 from nanrunbook.capture.torch._convert import safetensors_dtype
+from nanrunbook.capture.torch._shards import local_view
 from nanrunbook.capture.torch.replay import add_weight, heaviest
 from nanrunbook.capture.torch.sentinel._capture import (
     Captured,
@@ -58,7 +59,6 @@ from nanrunbook.capture.torch.sentinel._fsdp import (
     capture_sharded_step,
 )
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Outcome, Proposal, Ranks
-from nanrunbook.capture.torch.sentinel._shards import local_view
 from nanrunbook.capture.torch.sentinel._snapshot import Buffers, StateSnapshot, reset_scaler_step
 from nanrunbook.capture.torch.sentinel._steps import GradFindings, StepRecord, grad_probe
 from nanrunbook.telemetry.record import TelemetryRecord, TelemetryWarning, headroom_code

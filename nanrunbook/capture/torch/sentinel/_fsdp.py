@@ -35,7 +35,8 @@ import torch
 
 from nanrunbook.capture.torch._convert import tensor_to_raw
 from nanrunbook.capture.torch._copies import clone_batch, copy_optimizer, flatten
-from nanrunbook.capture.torch.capsule._sharded import BindingFacts, write_sharded_capsule
+from nanrunbook.capture.torch._shards import is_dtensor, local
+from nanrunbook.capture.torch.capsule import BindingFacts, write_sharded_capsule
 from nanrunbook.capture.torch.replay import (
     ForwardCapture,
     Replayed,
@@ -55,7 +56,6 @@ from nanrunbook.capture.torch.sentinel._capture import (
     stated_binding,
     write_incident,
 )
-from nanrunbook.capture.torch.sentinel._shards import is_dtensor, local
 from nanrunbook.capture.torch.sentinel._steps import StepRecord
 from nanrunbook.capture.writer import BundleWriter
 

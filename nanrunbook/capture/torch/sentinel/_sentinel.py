@@ -42,6 +42,7 @@ from nanrunbook.capture.recovery import RecoveryPoint
 from nanrunbook.capture.telemetry import TelemetryFile, Thresholds, alert
 from nanrunbook.capture.torch._copies import clone_batch, eager_module
 from nanrunbook.capture.torch._offload import REPLAY_MEMORY, ReplayMemory
+from nanrunbook.capture.torch._shards import local
 from nanrunbook.capture.torch.replay import (
     Autocast,
     ExtremesSampler,
@@ -59,7 +60,6 @@ from nanrunbook.capture.torch.sentinel._fsdp import (
 )
 from nanrunbook.capture.torch.sentinel._intercept import Intercepts
 from nanrunbook.capture.torch.sentinel._ranks import LocalGradients, Ranks
-from nanrunbook.capture.torch.sentinel._shards import local
 from nanrunbook.capture.torch.sentinel._snapshot import (
     SNAPSHOT_PLACES,
     Buffers,

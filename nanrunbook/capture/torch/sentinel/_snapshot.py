@@ -74,7 +74,7 @@ class StateSnapshot:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.where = where
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        from nanrunbook.capture.torch.sentinel._shards import local
+        from nanrunbook.capture.torch._shards import local
 
         # The tensors whose bits are copied: FSDP2's DTensor parameters by their
         # local shards (no foreach copy takes DTensors), any other the parameter.

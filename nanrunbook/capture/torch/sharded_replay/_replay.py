@@ -7,7 +7,7 @@ entry (its FSDP2 model), loads its own part (its shards through DCP, its
 step's forward and backward on the built objects with the recorded
 micro-batches and random states, every rank together (FSDP2's collectives
 need them all), and writes its bundle into ``--out`` as an incident set, as
-the sentinel wrote the held step's (:func:`~..sentinel._fsdp.sharded_evidence`),
+the sentinel wrote the held step's (:func:`~..sentinel.sharded_evidence`),
 each stage's probe source saying it is this replay. Each rank's bundle is
 compared with its incident member (``diff``); the answers are gathered, so
 every rank exits with the same code and rank 0 prints them.
@@ -33,7 +33,9 @@ import torch
 
 from nanrunbook.capture._state_manifest import RANKS_KEY
 from nanrunbook.capture.incident import incident_bundle_path, rank_member
+from nanrunbook.capture.torch._copies import clone_batch
 from nanrunbook.capture.torch._entry import Built, EntryError
+from nanrunbook.capture.torch._shards import local
 from nanrunbook.capture.torch._state_dir import (
     StateDirManifest,
     StateDirRejected,
@@ -51,6 +53,16 @@ from nanrunbook.capture.torch.capsule import (
     replay_head,
 )
 from nanrunbook.capture.torch.replay import leaf
+from nanrunbook.capture.torch.sentinel import (
+    Buffers,
+    ClipCall,
+    OwnGradients,
+    StepObjects,
+    StepRecord,
+    is_fully_sharded,
+    replicated,
+    sharded_evidence,
+)
 from nanrunbook.diff import Comparison, ComparisonRejected, diff_bundles
 from nanrunbook.errors import Violation
 from nanrunbook.exits import Exit, most_severe
@@ -238,8 +250,6 @@ def _check_launch(capsule: ShardedCapsule, changes: int) -> None:
 
 def _kinds(documents: Mapping[str, Any], built: Built) -> list[Violation]:
     """This rank's built objects against what it recorded, before any load."""
-    from nanrunbook.capture.torch.sentinel._fsdp import is_fully_sharded
-
     found: list[Violation] = []
 
     def differ(where: str, message: str) -> None:
@@ -265,7 +275,7 @@ def _kinds(documents: Mapping[str, Any], built: Built) -> list[Violation]:
 
 @dataclass(frozen=True)
 class _Loaded:
-    objects: Any  # StepObjects
+    objects: StepObjects
     micro: tuple[Any, ...]  # MicroBatch
     clipping: Any  # (params, max_norm, norm_type, foreach) or None
 
@@ -276,8 +286,6 @@ def _load(
     """This rank's shards through DCP (collective) and its own micro-batches,
     scheduler and recipe into the built objects."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from nanrunbook.capture.torch.sentinel._capture import StepObjects
 
     model, optimizer = built.model, built.optimizer
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -329,12 +337,6 @@ def _run_step(loaded: _Loaded, step: int) -> tuple[Any, bool | None]:
     them (the last micro-batch syncs the gradients); its record for the
     evidence, and whether this rank's own gradients were finite before the
     reduce-scatter."""
-    from nanrunbook.capture.torch._copies import clone_batch
-    from nanrunbook.capture.torch.sentinel._fsdp import OwnGradients, replicated
-    from nanrunbook.capture.torch.sentinel._shards import local
-    from nanrunbook.capture.torch.sentinel._snapshot import Buffers
-    from nanrunbook.capture.torch.sentinel._steps import ClipCall, StepRecord
-
     objects = loaded.objects
     model = objects.model
     own = OwnGradients(model)
@@ -376,8 +378,6 @@ def _write_bundle(
     rank: int,
 ) -> Path:
     """This rank's bundle of the replay, bound as its incident bundle was."""
-    from nanrunbook.capture.torch.sentinel._fsdp import sharded_evidence
-
     incident = documents["incident"]
     topology = incident.get("topology")
     spool = out / capsule.run_id

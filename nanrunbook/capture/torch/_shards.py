@@ -1,6 +1,7 @@
 """Sharded tensors seen locally: under FSDP2 a parameter or gradient is a
 DTensor, and each rank checks, copies and snapshots its own shard. Below every
-other sentinel module (the snapshot and the FSDP2 hooks both use it)."""
+feature that meets one (the sentinel's snapshot and FSDP2 hooks, the recovery
+point and the sharded replay), so none of them imports another for it."""
 
 from __future__ import annotations
 
