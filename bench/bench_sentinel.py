@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -69,10 +69,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
+    causal: torch.Tensor  # a buffer (register_buffer): moves and copies with the model
+
     def __init__(
         self, layers: int = 7, width: int = 512, heads: int = 8, context: int = 64
     ) -> None:
@@ -90,7 +93,8 @@ class GPT(nn.Module):
         x = self.embed(tokens) + self.position(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             x = block(x, self.causal[:t, :t])
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -112,7 +116,7 @@ class ClipCall(_ClipCall):
 
 
 steps_module.ClipCall = ClipCall  # type: ignore[misc]
-sentinel_module.ClipCall = ClipCall  # type: ignore[misc]
+sentinel_module.ClipCall = ClipCall  # type: ignore[attr-defined]
 
 
 class Timed(_Base):
@@ -199,7 +203,7 @@ class Setup:
         sample_every: int,
         timed: bool = True,
         snapshot: bool = False,
-        replay_memory: str = "auto",
+        replay_memory: Literal["auto", "device", "offload"] = "auto",
     ) -> Any:
         cls = Timed if timed else Sentinel
 
@@ -250,9 +254,9 @@ def timed_run(
     return times, own
 
 
-class Syncs(TorchDispatchMode):
+class Syncs(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's, untyped
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -270,13 +274,14 @@ def syncs_per_step(setup: Setup, watched: bool, steps: int = 3) -> float:
     real = torch.Tensor.tolist
     calls = [0]
 
-    def tolist(self: torch.Tensor) -> Any:
+    def tolist(self: Any) -> list[Any]:
         calls[0] += 1
         return real(self)
 
     torch.Tensor.tolist = tolist  # type: ignore[method-assign]
     try:
-        with Syncs() as syncs:
+        syncs = Syncs()  # entered apart: the mode's __enter__ is untyped
+        with syncs:
             for i in range(1, steps + 1):
                 setup.step(o, i, forward, clip)
     finally:
@@ -313,7 +318,7 @@ def capture_cost(setup: Setup, step_time: float) -> None:
         finally:
             seconds[0] = time.perf_counter() - start
 
-    sentinel._decide = decide  # type: ignore[method-assign]
+    sentinel._decide = decide
     try:
         for i in range(2):
             setup.step(o, i, sentinel.forward, sentinel.clip_grad_norm_)
@@ -373,7 +378,7 @@ def _sampled_step_peak(setup: Setup) -> int:
     return _step_peak(setup, 1) - _step_peak(setup, 0)
 
 
-def _hold_peak(setup: Setup, memory: str) -> tuple[int, int]:
+def _hold_peak(setup: Setup, memory: Literal["device", "offload"]) -> tuple[int, int]:
     """Peak device and host bytes of a hold's capture: two healthy AdamW steps,
     then one with eps=0 whose update is NaN (0/0 on embedding rows no batch
     used), rolled back from the snapshot and replayed (the call that holds)."""
@@ -402,11 +407,11 @@ def _hold_peak(setup: Setup, memory: str) -> tuple[int, int]:
             return held.bundle is not None
         return False
 
-    _offload.host_buffer = recorded  # type: ignore[assignment]
+    _offload.host_buffer = recorded
     try:
         peak = peak_allocated(hold, prepare=prepare, host=lambda: buffers)
     finally:
-        _offload.host_buffer = real_buffer  # type: ignore[assignment]
+        _offload.host_buffer = real_buffer
     if not peak.result:
         print(f"  memory ({memory}): the step did not hold with a bundle (unexpected)")
     return peak.device, peak.host
@@ -415,7 +420,7 @@ def _hold_peak(setup: Setup, memory: str) -> tuple[int, int]:
 def memory_cost(setup: Setup) -> None:
     params = sum(p.numel() * p.element_size() for p in setup.initial.parameters())
     new = _sampled_step_peak(setup)
-    steps_module.update_extremes = _old_update_extremes  # type: ignore[assignment]
+    steps_module.update_extremes = _old_update_extremes
     try:
         old = _sampled_step_peak(setup)
     finally:

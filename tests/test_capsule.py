@@ -184,6 +184,90 @@ def test_text_output_says_reproduced_and_the_change(incident: Path, tmp_path: Pa
     assert parsed["held_process"]["verdict"] == "REPRODUCED"
 
 
+def test_the_text_answer_keeps_80_columns_with_a_long_out_path(
+    incident: Path, tmp_path: Path
+) -> None:
+    """Each line wraps as the other text answers do; a path is folded, not lost."""
+    out = tmp_path / ("a-rather-long-directory-for-the-replays-" * 3) / "of-this-incident"
+    result = runner.invoke(
+        app,
+        ["replay", str(incident / "capsule"), "--entry", "capsule_runs:build_regressor",
+         "--change", "lr=0:0.5", "--out", str(out)],
+        prog_name="nanrunbook", env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    widest = max(lines, key=len)
+    assert len(widest) <= 80, f"{len(widest)} columns: {widest!r}"
+    # The same facts in the same order: capsule, held process, replay, its diff,
+    # then the change and its diff.
+    starts = [
+        "capsule",
+        "held process: REPRODUCED on host",
+        "replay as recorded:",
+        "against the incident bundle",
+        "nanrunbook diff: REPRODUCED",
+        "--change lr=0:0.5:",
+        "against the replay as recorded:",
+        "nanrunbook diff: ONE_MECHANISM_CHANGED optimizer: UNCHANGED",
+    ]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(s)) for s in starts]
+    assert found == sorted(found), lines
+    assert lines[found[5] - 1] == ""  # a blank line before each change, as before
+    joined = "".join(lines)  # a folded path is whole again once its lines are joined
+    for path in (incident / "capsule", out / "replay", out / "change-1-lr"):
+        assert str(path) in joined, path
+
+
+def test_kv_and_json_answers_are_the_diff_lines_and_the_replay_document(
+    incident: Path, tmp_path: Path
+) -> None:
+    """kv: the capsule's lines, then each comparison's diff lines under its
+    prefix, as shell playbooks parse them; json: the replay document."""
+    import io
+
+    from nanrunbook.capture.torch.capsule import replay_document
+    from nanrunbook.output.json import json_text
+    from nanrunbook.output.renderers import RENDERERS
+
+    texts = ["lr=0:0.5", "batch=drop:10"]
+    result = replay_capsule(
+        Capsule.open(incident / "capsule"),
+        build(load_entry("capsule_runs:build_regressor")),
+        list(zip(texts, parse_changes(texts), strict=True)),
+        tmp_path / "out",
+    )
+
+    def rendered(fmt: str, *args: Any, method: str = "replay", **options: Any) -> str:
+        out = io.StringIO()
+        getattr(RENDERERS[fmt], method)(*args, out, **options)
+        return out.getvalue()
+
+    kv = rendered("kv", result, require_fixed=True).splitlines()
+    diff_keys = [
+        line.partition("=")[0]
+        for line in rendered("kv", result.reproduction, method="diff").splitlines()
+    ]
+    assert kv[:5] == [
+        "capsule_run=data-nan",
+        "capsule_step=3",
+        "held_process=REPRODUCED",
+        "reproduction=REPRODUCED",
+        "changes=2",
+    ]
+    assert [line.partition("=")[0] for line in kv[5:]] == [
+        f"{prefix}.{key}"
+        for prefix in ("reproduction", "change.1", "change.2")
+        for key in diff_keys
+    ]
+    assert "change.2.outcome=FIXED" in kv and "change.1.outcome=UNCHANGED" in kv
+    for required in (False, True):
+        assert rendered("json", result, require_fixed=required) == json_text(
+            replay_document(result, require_fixed=required)
+        )
+    assert orjson.loads(rendered("json", result, require_fixed=True))["exit_code"] == 1
+
+
 def test_require_fixed_with_a_change_that_does_not_fix_exits_1(
     incident: Path, tmp_path: Path
 ) -> None:

@@ -161,3 +161,79 @@ def test_the_library_refuses_to_open_a_sharded_capsule_as_one_processs(capsule: 
         Capsule.open(capsule)
     assert info.value.codes == ("CAPSULE_SHARDED",)
     assert "replay it under torchrun" in info.value.violations[0].message
+
+
+def _sharded_result(root: Path) -> Any:
+    """A two-rank replay's record as the job gathers it, under long paths: rank 1
+    reproduced its incident member, rank 0 differs at its decision."""
+    from nanrunbook.capture._state_manifest import StateDirManifest
+    from nanrunbook.capture.torch.sharded_replay import RankReplay, ShardedCapsule, ShardedReplay
+
+    incident = root / "incident" / "fsdp-replay" / "3"
+    capsule = ShardedCapsule(
+        incident / "rank-00000" / "capsule",
+        StateDirManifest("nanrunbook-capsule-v1", {}, {"run_id": "fsdp-replay", "step": 3}),
+        2,
+    )
+    out = root / ("a-rather-long-directory-for-the-replays-" * 3) / "of-this-incident"
+    ranks = tuple(
+        RankReplay(
+            rank,
+            out / "fsdp-replay" / "3" / f"rank-{rank:05d}",
+            incident / f"rank-{rank:05d}",
+            verdict,
+            differs,
+            "HOLD",
+            "input",
+            exit_code,
+        )
+        for rank, verdict, differs, exit_code in (
+            (0, "NOT_REPRODUCED", "decision", 1),
+            (1, "REPRODUCED", None, 0),
+        )
+    )
+    return ShardedReplay(capsule, out, ranks)
+
+
+def _rendered(fmt: str, result: Any, *, require_fixed: bool = False) -> str:
+    import io
+
+    from nanrunbook.output.renderers import RENDERERS
+
+    out = io.StringIO()
+    RENDERERS[fmt].sharded_replay(result, out, require_fixed=require_fixed)
+    return out.getvalue()
+
+
+def test_the_sharded_answer_in_text_keeps_80_columns_and_kv_and_json_their_lines(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 prints the job's answer through the renderer: text wrapped to 80
+    columns, paths folded; kv's lines as playbooks parse them; json the document."""
+    from nanrunbook.capture.torch.sharded_replay import sharded_document
+    from nanrunbook.output.json import json_text
+
+    result = _sharded_result(tmp_path)
+    text = _rendered("text", result).splitlines()
+    assert max(len(line) for line in text) <= 80, text
+    assert text[0] == "capsule" and text[-1] == "every rank: MIXED"
+    joined = "".join(text)
+    assert f"{result.out / 'fsdp-replay' / '3'}rank 0: NOT_REPRODUCED (decision differs)" in joined
+    assert f"its incident bundle{result.ranks[1].incident}: HOLD at input" in joined
+    assert _rendered("kv", result).splitlines() == [
+        "capsule_run=fsdp-replay",
+        "capsule_step=3",
+        "world_size=2",
+        "reproduction=MIXED",
+        "rank.0.reproduction=NOT_REPRODUCED",
+        "rank.0.decision=HOLD",
+        "rank.0.earliest_nonfinite_stage=input",
+        f"rank.0.bundle={result.ranks[0].bundle}",
+        "rank.1.reproduction=REPRODUCED",
+        "rank.1.decision=HOLD",
+        "rank.1.earliest_nonfinite_stage=input",
+        f"rank.1.bundle={result.ranks[1].bundle}",
+    ]
+    for required in (False, True):
+        shown = _rendered("json", result, require_fixed=required)
+        assert shown == json_text(sharded_document(result, require_fixed=required))

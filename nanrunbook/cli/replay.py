@@ -4,11 +4,10 @@ process is gone, as recorded and with one mechanism changed per ``--change``."""
 from __future__ import annotations
 
 import functools
-import io
 import os
 import sys
 from pathlib import Path
-from typing import IO, Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -128,7 +127,8 @@ def replay(
         emit(functools.partial(RENDERERS[format.value].diff, error, sys.stdout), sys.stdout)
         raise typer.Exit(error.exit_code) from None
     code = result.exit_code(require_fixed=require_fixed)
-    emit(functools.partial(_write, result, format.value, require_fixed, sys.stdout), sys.stdout)
+    answer = RENDERERS[format.value].replay
+    emit(functools.partial(answer, result, sys.stdout, require_fixed=require_fixed), sys.stdout)
     raise typer.Exit(code)
 
 
@@ -141,6 +141,7 @@ def _sharded(
     from nanrunbook.capture.torch._state_dir import StateDirRejected
     from nanrunbook.capture.torch.sharded_replay import replay_sharded
     from nanrunbook.cli._judging import emit, emit_rejection
+    from nanrunbook.output.renderers import RENDERERS
 
     target = (
         out
@@ -159,100 +160,6 @@ def _sharded(
         raise typer.Exit(rejected) from None
     code = result.exit_code(require_fixed=require_fixed)
     if first:
-        emit(functools.partial(_write_sharded, result, fmt, require_fixed, sys.stdout), sys.stdout)
+        answer = RENDERERS[fmt].sharded_replay
+        emit(functools.partial(answer, result, sys.stdout, require_fixed=require_fixed), sys.stdout)
     raise typer.Exit(code)
-
-
-def _write_sharded(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
-    from nanrunbook.capture.torch.sharded_replay import sharded_document
-
-    capsule = result.capsule
-    if fmt == "json":
-        from nanrunbook.output.json import json_text
-
-        out.write(json_text(sharded_document(result, require_fixed=require_fixed)))
-        return
-    if fmt == "kv":
-        lines = [
-            f"capsule_run={capsule.run_id}",
-            f"capsule_step={capsule.step}",
-            f"world_size={capsule.world_size}",
-            f"reproduction={result.verdict}",
-        ]
-        for r in result.ranks:
-            lines += [
-                f"rank.{r.rank}.reproduction={r.verdict}",
-                f"rank.{r.rank}.decision={r.decision}",
-                f"rank.{r.rank}.earliest_nonfinite_stage={r.stage or 'none'}",
-                f"rank.{r.rank}.bundle={r.bundle}",
-            ]
-        out.write("\n".join(lines) + "\n")
-        return
-    lines = [
-        f"capsule {capsule.path}: verified; run {capsule.run_id}, step {capsule.step},"
-        f" written by {capsule.world_size} ranks under FSDP2",
-        f"replay as recorded, every rank together: {result.out / capsule.run_id / str(capsule.step)}",
-    ]
-    for r in result.ranks:
-        why = f" ({r.not_reproduced} differs)" if r.not_reproduced else ""
-        where = f" at {r.stage}" if r.stage else ""
-        lines.append(
-            f"rank {r.rank}: {r.verdict}{why} its incident bundle {r.incident}: {r.decision}{where}"
-        )
-    lines.append(f"every rank: {result.verdict}")
-    out.write("\n".join(lines) + "\n")
-
-
-def _diff(renderer: Any, comparison: Any) -> str:
-    buffer = io.StringIO()
-    renderer.diff(comparison, buffer)
-    return buffer.getvalue()
-
-
-def _write(result: Any, fmt: str, require_fixed: bool, out: IO[str]) -> None:
-    from nanrunbook.capture.torch.capsule import replay_document
-    from nanrunbook.output.renderers import RENDERERS
-
-    renderer = RENDERERS[fmt]
-    held = result.capsule.reproduced
-    if fmt == "json":
-        from nanrunbook.output.json import json_text
-
-        out.write(json_text(replay_document(result, require_fixed=require_fixed)))
-        return
-    if fmt == "kv":
-        lines = [
-            f"capsule_run={result.capsule.run_id}",
-            f"capsule_step={result.capsule.step}",
-            f"held_process={held.verdict if held is not None else 'none'}",
-            f"reproduction={result.reproduction.verdict if result.reproduction else 'none'}",
-            f"changes={len(result.changes)}",
-        ]
-        if result.reproduction is not None:
-            lines += [
-                f"reproduction.{line}" for line in _diff(renderer, result.reproduction).splitlines()
-            ]
-        for index, changed in enumerate(result.changes, 1):
-            lines += [
-                f"change.{index}.{line}"
-                for line in _diff(renderer, changed.comparison).splitlines()
-            ]
-        out.write("\n".join(lines) + "\n")
-        return
-    lines = [
-        f"capsule {result.capsule.path}: verified; run {result.capsule.run_id}, step {result.capsule.step}"
-    ]
-    if held is not None:
-        lines.append(f"held process: {held.line()}")
-    lines.append(f"replay as recorded: {result.bundle}")
-    if result.reproduction is None:
-        lines.append("no incident bundle beside the capsule: the reproduction is not compared")
-    else:
-        lines.append(f"against the incident bundle {result.incident}:")
-        lines.append(_diff(renderer, result.reproduction).rstrip("\n"))
-    for changed in result.changes:
-        lines.append("")
-        lines.append(f"--change {changed.change}: {changed.bundle}")
-        lines.append("against the replay as recorded:")
-        lines.append(_diff(renderer, changed.comparison).rstrip("\n"))
-    out.write("\n".join(lines) + "\n")

@@ -17,8 +17,10 @@ from nanrunbook.verdict.judgement import Judgement
 from nanrunbook.verdict.report import Report
 from nanrunbook.verdict.runbook import Section
 
-if TYPE_CHECKING:  # the diff records import numpy: a renderer loads them only for diff
+if TYPE_CHECKING:  # the diff records import numpy, the replays' torch: loaded only for them
     from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
+    from nanrunbook.capture.torch.capsule import CapsuleReplay
+    from nanrunbook.capture.torch.sharded_replay import ShardedReplay
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -89,3 +91,15 @@ class Renderer(ABC):
     @abstractmethod
     def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
         """A proof of recovery, proven or not and why (``prove``)."""
+
+    @abstractmethod
+    def replay(self, result: CapsuleReplay, out: IO[str], *, require_fixed: bool = False) -> None:
+        """A capsule's step replayed, compared with its incident bundle and once per
+        change (``replay``); ``require_fixed`` is the command's, for its exit code."""
+
+    @abstractmethod
+    def sharded_replay(
+        self, result: ShardedReplay, out: IO[str], *, require_fixed: bool = False
+    ) -> None:
+        """A sharded capsule's step replayed by every rank together, each rank's
+        bundle compared with its incident member (``replay`` under torchrun)."""

@@ -29,6 +29,8 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
+    from nanrunbook.capture.torch.capsule import CapsuleReplay
+    from nanrunbook.capture.torch.sharded_replay import ShardedReplay
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -159,6 +161,18 @@ class JsonRenderer(Renderer):
         from nanrunbook.capture.recovery import record_document
 
         out.write(json_text(record_document(record)))
+
+    def replay(self, result: CapsuleReplay, out: IO[str], *, require_fixed: bool = False) -> None:
+        from nanrunbook.capture.torch.capsule import replay_document
+
+        out.write(json_text(replay_document(result, require_fixed=require_fixed)))
+
+    def sharded_replay(
+        self, result: ShardedReplay, out: IO[str], *, require_fixed: bool = False
+    ) -> None:
+        from nanrunbook.capture.torch.sharded_replay import sharded_document
+
+        out.write(json_text(sharded_document(result, require_fixed=require_fixed)))
 
 
 def outcome_document(outcome: CheckOutcome) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
+    from nanrunbook.capture.torch.capsule import CapsuleReplay
+    from nanrunbook.capture.torch.sharded_replay import ShardedReplay
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -274,3 +276,46 @@ class KvRenderer(Renderer):
             f"reopen_decided_by={safe(record.reopen_decided_by)}",
         ]
         _write(lines, out)
+
+    def replay(self, result: CapsuleReplay, out: IO[str], *, require_fixed: bool = False) -> None:
+        """The capsule and the verdicts, then each comparison's own ``diff`` lines
+        with a prefix: ``reproduction.verdict=...``, ``change.1.outcome=...``."""
+        capsule = result.capsule
+        held = capsule.reproduced
+        reproduction = result.reproduction
+        lines = [
+            f"capsule_run={capsule.run_id}",
+            f"capsule_step={capsule.step}",
+            f"held_process={held.verdict if held is not None else 'none'}",
+            f"reproduction={reproduction.verdict if reproduction is not None else 'none'}",
+            f"changes={len(result.changes)}",
+        ]
+        if reproduction is not None:
+            lines += [f"reproduction.{line}" for line in self._diff_lines(reproduction)]
+        for index, changed in enumerate(result.changes, 1):
+            lines += [f"change.{index}.{line}" for line in self._diff_lines(changed.comparison)]
+        _write(lines, out)
+
+    def sharded_replay(
+        self, result: ShardedReplay, out: IO[str], *, require_fixed: bool = False
+    ) -> None:
+        capsule = result.capsule
+        lines = [
+            f"capsule_run={capsule.run_id}",
+            f"capsule_step={capsule.step}",
+            f"world_size={capsule.world_size}",
+            f"reproduction={result.verdict}",
+        ]
+        for rank in result.ranks:
+            lines += [
+                f"rank.{rank.rank}.reproduction={rank.verdict}",
+                f"rank.{rank.rank}.decision={rank.decision}",
+                f"rank.{rank.rank}.earliest_nonfinite_stage={rank.stage or 'none'}",
+                f"rank.{rank.rank}.bundle={rank.bundle}",
+            ]
+        _write(lines, out)
+
+    def _diff_lines(self, comparison: Comparison) -> list[str]:
+        one = io.StringIO()
+        self.diff(comparison, one)
+        return one.getvalue().splitlines()

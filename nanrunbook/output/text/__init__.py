@@ -3,7 +3,8 @@
 One module per record kind: ``report`` (a bundle's verdict and its rejection),
 ``checklist``, ``contract``, ``incident_set``, ``outcomes`` (several paths
 judged each on its own), ``diff``, ``recovery`` (``verify-recovery`` and
-``prove``) and ``watch``; ``_blocks`` holds what they share. The renderer only
+``prove``), ``replay`` (a capsule's replay, one process's or every rank's)
+and ``watch``; ``_blocks`` holds what they share. The renderer only
 makes the console and hands the record to its module.
 
 Manifest strings are shown literally through ``rich.text.Text`` (never markup);
@@ -26,6 +27,7 @@ from nanrunbook.output.text.diff import render_diff
 from nanrunbook.output.text.incident_set import render_incident_set
 from nanrunbook.output.text.outcomes import render_many
 from nanrunbook.output.text.recovery import render_recovery_record, render_recovery_verification
+from nanrunbook.output.text.replay import render_replay, render_sharded_replay
 from nanrunbook.output.text.report import SCREEN_LINES, render_rejection, render_report
 from nanrunbook.output.text.watch import render_watch_event, render_watch_summary
 from nanrunbook.verdict.incident_set import CheckOutcome, IncidentSet
@@ -34,6 +36,8 @@ from nanrunbook.verdict.runbook import Section
 
 if TYPE_CHECKING:
     from nanrunbook.capture.recovery import RecoveryRecord, RecoveryVerification
+    from nanrunbook.capture.torch.capsule import CapsuleReplay
+    from nanrunbook.capture.torch.sharded_replay import ShardedReplay
     from nanrunbook.diff import Comparison, ComparisonRejected
     from nanrunbook.telemetry.summary import WatchEvent, WatchSummary
 
@@ -111,6 +115,14 @@ class TextRenderer(Renderer):
 
     def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
         render_recovery_record(self._console(out), record)
+
+    def replay(self, result: CapsuleReplay, out: IO[str], *, require_fixed: bool = False) -> None:
+        render_replay(self._console(out), result)
+
+    def sharded_replay(
+        self, result: ShardedReplay, out: IO[str], *, require_fixed: bool = False
+    ) -> None:
+        render_sharded_replay(self._console(out), result)
 
     def watch_summary(self, summary: WatchSummary, out: IO[str], *, plots: bool = True) -> None:
         render_watch_summary(self._console(out), summary, plots=plots)
