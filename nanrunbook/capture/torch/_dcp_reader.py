@@ -20,12 +20,13 @@ import io
 import math
 import os
 import pickle
+import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.utils import _create_file_view
@@ -53,6 +54,7 @@ __all__ = [
     "WeightsOnlyPlanner",
     "load_restricted",
     "read_metadata",
+    "read_places",
     "record_places",
 ]
 
@@ -173,6 +175,7 @@ def _storage_dtype(name: str) -> torch.dtype:
 class _Place:
     """Where a plain tensor record's elements are, in its file."""
 
+    path: str  # the file, relative to the state's folder
     offset: int  # from the file's start
     nbytes: int
     size: tuple[int, ...]
@@ -191,18 +194,127 @@ def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _place(handle: Any, offset: int, length: int) -> _Place | None:
+class _Archive(Protocol):
+    """What a tensor record's place is read from: its members' bytes and spans."""
+
+    def names(self) -> set[str]: ...
+    def read(self, name: str) -> bytes: ...
+    def span(self, name: str) -> tuple[int, int]: ...  # (offset in the record, size)
+
+
+class _TorchArchive:
+    """torch's own zip reader over the record (any zip torch.save writes)."""
+
+    def __init__(self, handle: Any, offset: int, length: int) -> None:
+        self._zip = torch._C.PyTorchFileReader(_file_view(handle, offset, length))
+
+    def names(self) -> set[str]:
+        return set(self._zip.get_all_records())
+
+    def read(self, name: str) -> bytes:
+        return self._zip.get_record(name)
+
+    def span(self, name: str) -> tuple[int, int]:
+        start = self._zip.get_record_offset(name)  # type: ignore[attr-defined]  # not in torch's stubs
+        return int(start), int(self._zip.get_record_size(name))
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")  # the end of central directory record
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")  # a central directory entry
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a member's local header
+_TAIL = 4096  # the central directory of a torch.save record fits in it
+_PICKLE_MAX = 1 << 16  # a tensor record's data.pkl is about 160 bytes
+
+
+class _StoredZip:
+    """A zip whose members are all stored (torch.save's), read from its
+    central directory: the record's first and last 4 KiB hold it, the small
+    members and the local headers, so two ``pread`` calls find a place where
+    torch's reader, reading through Python file calls, takes five times as
+    long. :meth:`of` answers None for anything else (zip64 sizes, compression,
+    a comment, an inconsistent header), which torch's reader then reads."""
+
+    def __init__(self, members: Mapping[str, tuple[int, int]], bytes_at: Any) -> None:
+        self._members, self._bytes_at = members, bytes_at
+
+    @classmethod
+    def of(cls, fd: int, offset: int, length: int) -> _StoredZip | None:
+        head = os.pread(fd, min(length, _TAIL), offset)
+        tail_start = max(0, length - _TAIL)
+        tail = os.pread(fd, length - tail_start, offset + tail_start)
+        if len(head) != min(length, _TAIL) or len(tail) != length - tail_start:
+            return None
+
+        def bytes_at(at: int, count: int) -> bytes:  # within the record
+            if at + count <= len(head):
+                return head[at : at + count]
+            if at >= tail_start:
+                return tail[at - tail_start : at - tail_start + count]
+            return os.pread(fd, count, offset + at)
+
+        if length < _EOCD.size:
+            return None
+        sig, disk, cd_disk, here, total, cd_size, cd_offset, comment = _EOCD.unpack(
+            bytes_at(length - _EOCD.size, _EOCD.size)
+        )
+        if sig != b"PK\x05\x06" or comment or disk or cd_disk or here != total:
+            return None
+        if 0xFFFFFFFF in (cd_size, cd_offset) or cd_offset + cd_size > length - _EOCD.size:
+            return None
+        central = bytes_at(cd_offset, cd_size)
+        members: dict[str, tuple[int, int]] = {}
+        at = 0
+        for _ in range(total):
+            if at + _CENTRAL.size > len(central):
+                return None
+            entry = _CENTRAL.unpack_from(central, at)
+            sig, method, packed, size, local = entry[0], entry[4], entry[8], entry[9], entry[16]
+            name_end = at + _CENTRAL.size + entry[10]
+            name = central[at + _CENTRAL.size : name_end]
+            at = name_end + entry[11] + entry[12]
+            if sig != b"PK\x01\x02" or method != 0 or packed != size or 0xFFFFFFFF in (size, local):
+                return None
+            if local + _LOCAL.size > cd_offset:
+                return None
+            fields = _LOCAL.unpack(bytes_at(local, _LOCAL.size))
+            if fields[0] != b"PK\x03\x04" or fields[3] != 0:
+                return None
+            start = local + _LOCAL.size + fields[9] + fields[10]
+            if start + size > cd_offset:
+                return None
+            members[name.decode("utf-8", "replace")] = (start, size)
+        # torch's reader names members without the archive's one folder: so do we
+        folders = {name.partition("/")[0] for name in members}
+        if len(folders) != 1 or any("/" not in name for name in members):
+            return None
+        spans = {name.partition("/")[2]: span for name, span in members.items()}
+        return cls(spans, bytes_at)
+
+    def names(self) -> set[str]:
+        return set(self._members)
+
+    def read(self, name: str) -> bytes:
+        start, size = self._members[name]
+        return cast(bytes, self._bytes_at(start, size))
+
+    def span(self, name: str) -> tuple[int, int]:
+        return self._members[name]
+
+
+def _place(handle: Any, path: str, offset: int, length: int) -> _Place | None:
     """The elements of the ``torch.save`` record at ``offset``, ``length`` in
     ``handle``: where they lie, when the record holds one contiguous tensor of
     a whole little-endian CPU storage; else None (read DCP's way)."""
     try:
-        archive = torch._C.PyTorchFileReader(_file_view(handle, offset, length))
-        if (
-            "byteorder" not in archive.get_all_records()
-            or archive.get_record("byteorder") != b"little"
-        ):
+        archive: _Archive | None = _StoredZip.of(handle.fileno(), offset, length)
+        if archive is None:
+            archive = _TorchArchive(handle, offset, length)
+        names = archive.names()
+        if "byteorder" not in names or archive.read("byteorder") != b"little":
             return None
-        rebuilt = _RecordUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
+        if "data.pkl" not in names or archive.span("data.pkl")[1] > _PICKLE_MAX:
+            return None
+        rebuilt = _RecordUnpickler(io.BytesIO(archive.read("data.pkl"))).load()
         if not isinstance(rebuilt, _Rebuilt):
             return None
         storage, size = rebuilt.storage, rebuilt.size
@@ -217,20 +329,32 @@ def _place(handle: Any, offset: int, length: int) -> _Place | None:
             or (numel > 1 and rebuilt.stride != _contiguous_stride(size))
         ):
             return None
-        name = f"data/{storage.key}"
-        nbytes = numel * itemsize
-        start = archive.get_record_offset(name)  # type: ignore[attr-defined]  # not in torch's stubs
-        if archive.get_record_size(name) != nbytes or start < 0 or start + nbytes > length:
+        data = f"data/{storage.key}"
+        if data not in names:
             return None
-        return _Place(offset + start, nbytes, size, rebuilt.dtype)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError, OSError):
+        start, recorded = archive.span(data)
+        nbytes = numel * itemsize
+        if recorded != nbytes or start < 0 or start + nbytes > length:
+            return None
+        return _Place(path, offset + start, nbytes, size, rebuilt.dtype)
+    except (
+        pickle.UnpicklingError,
+        struct.error,
+        RuntimeError,
+        ValueError,
+        TypeError,
+        EOFError,
+        OSError,
+    ):
+        return None
+    except MemoryError:  # a damaged pickle's length asks for more than there is
         return None
 
 
 def _place_of(handle: Any, info: Any) -> _Place | None:
     if info.transform_descriptors:  # compressed, say: DCP's own way
         return None
-    return _place(handle, info.offset, info.length)
+    return _place(handle, info.relative_path, info.offset, info.length)
 
 
 @dataclass(frozen=True)
@@ -238,7 +362,20 @@ class RecordPlaces:
     """Where each tensor record's elements lie (None: read DCP's way), found
     ahead of the read: :func:`record_places`."""
 
-    found: Mapping[Any, _Place | None]
+    found: Mapping[Any, _Place | None]  # by DCP's storage index
+    records: Mapping[str, int]  # how many records each key has
+
+    def whole(self, key: str, target: torch.Tensor) -> _Place | None:
+        """The place of ``key``'s one record when it holds the whole tensor
+        and ``target`` can take its bytes as they lie: read without DCP's
+        planning (:func:`read_places`)."""
+        if self.records.get(key) != 1:
+            return None
+        zeros = torch.Size([0] * target.dim())
+        place = self.found.get(MetadataIndex(key, zeros, 0))
+        if place is None or not _takes(place, target):
+            return None
+        return place
 
 
 def record_places(root: Path, metadata: Metadata) -> RecordPlaces:
@@ -259,7 +396,36 @@ def record_places(root: Path, metadata: Metadata) -> RecordPlaces:
                 path = Path(root) / STATE_SUBDIR / info.relative_path
                 handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
             found[index] = _place_of(handles[info.relative_path], info)
-    return RecordPlaces(found)
+    records: dict[str, int] = {}
+    for index in metadata.storage_data or {}:
+        records[index.fqn] = records.get(index.fqn, 0) + 1
+    return RecordPlaces(found, records)
+
+
+def read_places(root: Path, reads: Sequence[tuple[torch.Tensor, _Place]]) -> None:
+    """Each place's bytes into its tensor, largest first on two threads. The
+    bytes were verified a moment ago: a failure is the disk's, and the state
+    is then partly read (STATE_READ_INTERRUPTED)."""
+    try:
+        with ExitStack() as files:
+            fds: dict[str, int] = {}
+            for _, place in reads:
+                if place.path not in fds:
+                    path = Path(root) / STATE_SUBDIR / place.path
+                    fds[place.path] = files.enter_context(open(path, "rb", buffering=0)).fileno()
+            largest_first = sorted(reads, key=lambda each: -each[1].nbytes)
+            with ThreadPoolExecutor(_READ_THREADS) as pool:
+                list(
+                    pool.map(
+                        lambda each: _read_exactly(each[0], fds[each[1].path], each[1]),
+                        largest_first,
+                    )
+                )
+    except OSError as error:
+        message = f"{error}: the state is partly the directory's; do not go on from it"
+        raise StateDirRejected(
+            [Violation("STATE_READ_INTERRUPTED", STATE_SUBDIR, message)]
+        ) from None
 
 
 def _read_exactly(target: torch.Tensor, fd: int, place: _Place) -> None:
@@ -293,10 +459,10 @@ class RestrictedReader(FileSystemReader):
         if values:  # they replace a dict's values: no tensor's memory is written
             super().read_data(LoadPlan(values), planner).wait()
         tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        direct: list[tuple[torch.Tensor, _Place]] = []
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []
         with ExitStack() as files:
             handles: dict[str, Any] = {}
-            direct: list[tuple[torch.Tensor, int, _Place]] = []
-            held: list[tuple[torch.Tensor, torch.Tensor]] = []
             for item in tensors:
                 info = self.storage_data[item.storage_index]
                 if info.relative_path not in handles:
@@ -309,22 +475,14 @@ class RestrictedReader(FileSystemReader):
                 else:
                     place = _place_of(handle, info)
                 if place is not None and _fits(place, item, target):
-                    direct.append((target, handle.fileno(), place))
+                    direct.append((target, place))
                 else:
                     held.append((target, self._load_record(handle, item, info, target)))
-            # Every record parsed and every other one loaded: only now is a
-            # target written.
-            largest_first = sorted(direct, key=lambda each: -each[2].nbytes)
-            try:
-                with ThreadPoolExecutor(_READ_THREADS) as pool:
-                    list(pool.map(lambda each: _read_exactly(*each), largest_first))
-                for target, loaded in held:
-                    target.copy_(loaded)
-            except OSError as error:  # the bytes verified a moment ago: the disk failed
-                message = f"{error}: the state is partly the directory's; do not go on from it"
-                raise StateDirRejected(
-                    [Violation("STATE_READ_INTERRUPTED", STATE_SUBDIR, message)]
-                ) from None
+        # Every record parsed and every other one loaded: only now is a target
+        # written.
+        read_places(self._root, direct)
+        for target, loaded in held:
+            target.copy_(loaded)
         for item in tensors:
             planner.commit_tensor(item, planner.resolve_tensor(item).detach())
         done: Future[None] = Future()
@@ -353,10 +511,14 @@ class RestrictedReader(FileSystemReader):
 
 def _fits(place: _Place, item: ReadItem, target: torch.Tensor) -> bool:
     """The read takes the whole record into a target of its layout."""
+    whole = all(offset == 0 for offset in item.storage_offsets)
+    return whole and tuple(item.lengths) == place.size and _takes(place, target)
+
+
+def _takes(place: _Place, target: torch.Tensor) -> bool:
+    """``target`` holds the record's elements as they lie in the file."""
     return (
-        all(offset == 0 for offset in item.storage_offsets)
-        and tuple(item.lengths) == place.size
-        and tuple(target.shape) == place.size
+        tuple(target.shape) == place.size
         and target.dtype == place.dtype
         and target.device.type == "cpu"
         and target.is_contiguous()

@@ -70,6 +70,7 @@ from nanrunbook.capture.torch._dcp_reader import (
     WeightsOnlyPlanner,
     load_restricted,
     read_metadata,
+    read_places,
     record_places,
 )
 from nanrunbook.capture.torch._every_rank import agree, from_rank0
@@ -554,7 +555,9 @@ class StateOutline:
         are returned change; a record that cannot be read changes none
         (StateDirRejected)."""
         live = _flat(into)
-        template: dict[str, Any] = {}
+        targets: dict[str, Any] = {}
+        template: dict[str, Any] = {}  # what DCP reads, planned
+        direct: list[tuple[torch.Tensor, Any]] = []  # a whole record into its tensor: no planning
         for key, stored in self.metadata.state_dict_metadata.items():
             if not isinstance(stored, TensorStorageMetadata):
                 continue
@@ -565,13 +568,20 @@ class StateOutline:
                 and here.device.type == "cpu"
                 and (tuple(here.shape), here.dtype) == (size, dtype)
             ):
-                template[key] = here  # itself: a restore from it copies nothing
+                target = here  # itself: a restore from it copies nothing
             else:
-                template[key] = torch.empty(size, dtype=dtype)
-        if template:
+                target = torch.empty(size, dtype=dtype)
+            targets[key] = target
+            place = self.places.whole(key, target.detach())
+            if place is not None:
+                direct.append((target.detach(), place))
+            else:
+                template[key] = target
+        if template:  # first: a record of DCP's way that fails leaves every target as it was
             planner = WeightsOnlyPlanner(flatten_state_dict=False)
             _load(template, self.root, planner, self.places)
-        return _nested(self.metadata, {**self.values, **template})
+        read_places(self.root, direct)
+        return _nested(self.metadata, {**self.values, **targets})
 
 
 def outline_verified_state_dir(path: Path, manifest: StateDirManifest) -> StateOutline:
