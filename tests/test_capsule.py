@@ -419,6 +419,27 @@ def test_a_document_that_does_not_read_is_rejected(incident: Path) -> None:
     assert f"violation={code}" in result.output
 
 
+@pytest.mark.parametrize("run_id", ["x$(touch pwned)", "a b", "", 7])
+def test_a_run_id_a_shell_would_read_as_a_command_is_rejected(
+    incident: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_id: Any
+) -> None:
+    # The run id names the replay's directory and stands in the kv answer
+    # that playbooks eval: an identifier, as every bundle's run id is.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    capsule = incident / "capsule"
+    document = orjson.loads((capsule / "incident.json").read_bytes())
+    document["run_id"] = run_id
+    (capsule / "incident.json").write_bytes(orjson.dumps(document))
+    reseal(capsule)
+    result = cli(str(capsule), "--entry", "capsule_runs:build_regressor", "--format", "kv")
+    assert result.exit_code == 3, result.output
+    assert "violation=CAPSULE_DOCUMENT_INVALID" in result.output
+    assert "$(" not in result.output
+    assert [p.name for p in here.iterdir()] == []  # nothing ran, no replay directory
+
+
 class _Run:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -34,6 +34,22 @@ if TYPE_CHECKING:
 
 __all__ = ["KvRenderer", "kv_set_where", "kv_where"]
 
+_SHELL_SAFE_PATH = re.compile(r"[A-Za-z0-9._/+=@:,-]+")
+
+
+def _identifier_or_unknown(value: object) -> str:
+    """An identifier as it is, ``none`` for None, anything else ``?``: free text
+    is never printed for a shell to read."""
+    text = "none" if value is None else str(value)
+    return text if IDENTIFIER.fullmatch(text) else "?"
+
+
+def _path_or_unknown(path: object) -> str:
+    """A path of shell-safe characters as it is, else ``?`` (json shows it)."""
+    text = str(path)
+    return text if _SHELL_SAFE_PATH.fullmatch(text) else "?"
+
+
 _KV_SAFE_WHERE = re.compile(r"[A-Za-z0-9._/+=@:,\[\]$-]+")
 _QUOTED_SEGMENT = re.compile(r"\['(?:[^'\\]|\\.)*'\]|\[\"(?:[^\"\\]|\\.)*\"\]")
 _KV_UNSAFE_CHAR = re.compile(r"[^A-Za-z0-9._/+=@:,\[\]$-]")
@@ -253,10 +269,7 @@ class KvRenderer(Renderer):
         _write(lines, out)
 
     def recovery_record(self, record: RecoveryRecord, out: IO[str]) -> None:
-        def safe(value: object) -> str:
-            text = "none" if value is None else str(value)
-            return text if IDENTIFIER.fullmatch(text) else "?"
-
+        safe = _identifier_or_unknown
         lines = [
             f"recovery={'PROVEN' if record.proven else 'NOT_PROVEN'}",
             f"point_id={safe(record.point_id)}",
@@ -284,7 +297,7 @@ class KvRenderer(Renderer):
         held = capsule.reproduced
         reproduction = result.reproduction
         lines = [
-            f"capsule_run={capsule.run_id}",
+            f"capsule_run={_identifier_or_unknown(capsule.run_id)}",
             f"capsule_step={capsule.step}",
             f"held_process={held.verdict if held is not None else 'none'}",
             f"reproduction={reproduction.verdict if reproduction is not None else 'none'}",
@@ -301,7 +314,7 @@ class KvRenderer(Renderer):
     ) -> None:
         capsule = result.capsule
         lines = [
-            f"capsule_run={capsule.run_id}",
+            f"capsule_run={_identifier_or_unknown(capsule.run_id)}",
             f"capsule_step={capsule.step}",
             f"world_size={capsule.world_size}",
             f"reproduction={result.verdict}",
@@ -311,7 +324,7 @@ class KvRenderer(Renderer):
                 f"rank.{rank.rank}.reproduction={rank.verdict}",
                 f"rank.{rank.rank}.decision={rank.decision}",
                 f"rank.{rank.rank}.earliest_nonfinite_stage={rank.stage or 'none'}",
-                f"rank.{rank.rank}.bundle={rank.bundle}",
+                f"rank.{rank.rank}.bundle={_path_or_unknown(rank.bundle)}",
             ]
         _write(lines, out)
 

@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 
 from nanrunbook.capture.incident import CAPSULE_DIRECTORY
-from nanrunbook.capture.torch.capsule._capsule import Capsule, LoadedStep
+from nanrunbook.capture.torch.capsule._capsule import Capsule, LoadedStep, identity_violation
 from nanrunbook.capture.torch.capsule._contents import (
     CapsuleRefused,
     decode_micro_batches,
@@ -52,6 +52,7 @@ __all__ = [
     "annotate_replay",
     "decode_micro_batches",
     "generator_count",
+    "identity_violation",
     "micro_batch_template",
     "replay_capsule",
     "replay_document",

@@ -54,6 +54,7 @@ from nanrunbook.capture.torch.replay import (
 )
 from nanrunbook.contract import STAGE_ORDER
 from nanrunbook.errors import Violation
+from nanrunbook.manifest.fields import IDENTIFIER
 from nanrunbook.verdict.report import Report
 
 __all__ = ["Capsule", "LoadedStep"]
@@ -63,6 +64,17 @@ _DOCUMENTS = ("incident", "micro_batches", "optimizer", "scheduler", "recipe", "
 
 def _invalid(where: str, message: str) -> StateDirRejected:
     return StateDirRejected([Violation("CAPSULE_DOCUMENT_INVALID", where, message)])
+
+
+def identity_violation(run_id: Any, step: Any) -> str | None:
+    """Why a capsule's run id and step cannot be taken (None: they can). The
+    run id names the replay's directory and stands in kv answers: an
+    identifier, as every bundle's run id is; the step an integer >= 0."""
+    if not isinstance(run_id, str) or not IDENTIFIER.fullmatch(run_id):
+        return f"the run id {run_id!r:.60} is not an identifier (letters, digits, ._:@/+=-)"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"the step {step!r:.30} is not an integer >= 0"
+    return None
 
 
 def _differ(violations: list[Violation], where: str, message: str) -> None:
@@ -123,8 +135,9 @@ class Capsule:
     def _check_documents(self) -> None:
         try:
             incident = self.documents["incident"]
-            int(incident["step"])
-            str(incident["run_id"])
+            where = identity_violation(incident.get("run_id"), incident.get("step"))
+            if where is not None:
+                raise _invalid("incident.json", where)
             for micro in self.documents["micro_batches"]:
                 micro_batch_template([micro])
             _ = self.reproduced

@@ -49,6 +49,7 @@ from nanrunbook.capture.torch.capsule import (
     Capsule,
     decode_micro_batches,
     generator_count,
+    identity_violation,
     micro_batch_template,
     replay_head,
 )
@@ -147,6 +148,9 @@ def open_capsule(path: str | Path) -> Capsule | ShardedCapsule:
     if violations or manifest is None:
         raise StateDirRejected(violations)
     if RANKS_KEY in manifest.header:
+        why = identity_violation(manifest.header.get("run_id"), manifest.header.get("step"))
+        if why is not None:
+            raise StateDirRejected([Violation("CAPSULE_DOCUMENT_INVALID", "manifest.json", why)])
         return ShardedCapsule(root, manifest, len(manifest.header[RANKS_KEY]))
     return Capsule.verified(root, manifest)
 
