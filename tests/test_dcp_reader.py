@@ -189,5 +189,8 @@ def test_a_damaged_record_is_read_dcps_way_or_not_at_all_never_a_crash(tmp_path:
         place = _dcp_reader.record_places(tmp_path / "d", metadata).found[index]
         found += place is not None
         if place is not None:
-            assert info.offset <= place.offset and place.offset + place.nbytes <= info.offset + info.length
+            assert (
+                info.offset <= place.offset
+                and place.offset + place.nbytes <= info.offset + info.length
+            )
     assert 0 < found < 900
