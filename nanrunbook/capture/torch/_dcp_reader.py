@@ -21,9 +21,11 @@ import math
 import os
 import pickle
 import struct
-from collections.abc import Mapping, Sequence
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
@@ -52,14 +54,45 @@ from nanrunbook.errors import Violation, quote
 __all__ = [
     "RecordPlaces",
     "WeightsOnlyPlanner",
+    "distributed",
     "load_restricted",
     "read_metadata",
     "read_places",
     "record_places",
+    "single_process_quiet",
 ]
 
 _SHOWN = 4  # refusals named in one violation
 _READ_THREADS = 2  # the in-place reads: two cores
+
+
+def distributed() -> bool:
+    """This process is in a process group: DCP saves and loads collectively."""
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def single_process_quiet() -> Iterator[None]:
+    # DCP warns on every single-process save and load that it assumes one process.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+class _OpenFiles:
+    """Each file of a state directory's DCP folder opened once, unbuffered,
+    and closed with ``stack``."""
+
+    def __init__(self, root: Path, stack: ExitStack) -> None:
+        self._folder, self._stack = Path(root) / STATE_SUBDIR, stack
+        self._open: dict[str, Any] = {}
+
+    def __call__(self, relative: str) -> Any:
+        if relative not in self._open:
+            path = self._folder / relative
+            handle = open(path, "rb", buffering=0)  # noqa: SIM115  # closed by the stack
+            self._open[relative] = self._stack.enter_context(handle)
+        return self._open[relative]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -363,7 +396,7 @@ class RecordPlaces:
     ahead of the read: :func:`record_places`."""
 
     found: Mapping[Any, _Place | None]  # by DCP's storage index
-    records: Mapping[str, int]  # how many records each key has
+    records: Mapping[str, int]  # how many records each tensor key has
 
     def whole(self, key: str, target: torch.Tensor) -> _Place | None:
         """The place of ``key``'s one record when it holds the whole tensor
@@ -387,19 +420,12 @@ def record_places(root: Path, metadata: Metadata) -> RecordPlaces:
         if isinstance(stored, TensorStorageMetadata)
     }  # fmt: skip
     found: dict[Any, _Place | None] = {}
-    with ExitStack() as files:
-        handles: dict[str, Any] = {}
+    with ExitStack() as stack:
+        files = _OpenFiles(root, stack)
         for index, info in (metadata.storage_data or {}).items():
-            if index.fqn not in tensors:
-                continue
-            if info.relative_path not in handles:
-                path = Path(root) / STATE_SUBDIR / info.relative_path
-                handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
-            found[index] = _place_of(handles[info.relative_path], info)
-    records: dict[str, int] = {}
-    for index in metadata.storage_data or {}:
-        records[index.fqn] = records.get(index.fqn, 0) + 1
-    return RecordPlaces(found, records)
+            if index.fqn in tensors:
+                found[index] = _place_of(files(info.relative_path), info)
+    return RecordPlaces(found, Counter(index.fqn for index in found))
 
 
 def read_places(root: Path, reads: Sequence[tuple[torch.Tensor, _Place]]) -> None:
@@ -407,12 +433,9 @@ def read_places(root: Path, reads: Sequence[tuple[torch.Tensor, _Place]]) -> Non
     bytes were verified a moment ago: a failure is the disk's, and the state
     is then partly read (STATE_READ_INTERRUPTED)."""
     try:
-        with ExitStack() as files:
-            fds: dict[str, int] = {}
-            for _, place in reads:
-                if place.path not in fds:
-                    path = Path(root) / STATE_SUBDIR / place.path
-                    fds[place.path] = files.enter_context(open(path, "rb", buffering=0)).fileno()
+        with ExitStack() as stack:
+            files = _OpenFiles(root, stack)
+            fds = {place.path: files(place.path).fileno() for _, place in reads}
             largest_first = sorted(reads, key=lambda each: -each[1].nbytes)
             with ThreadPoolExecutor(_READ_THREADS) as pool:
                 list(
@@ -461,15 +484,14 @@ class RestrictedReader(FileSystemReader):
         tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
         direct: list[tuple[torch.Tensor, _Place]] = []
         held: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with ExitStack() as files:
-            handles: dict[str, Any] = {}
+        targets: list[tuple[ReadItem, torch.Tensor]] = []
+        with ExitStack() as stack:
+            files = _OpenFiles(self._root, stack)
             for item in tensors:
                 info = self.storage_data[item.storage_index]
-                if info.relative_path not in handles:
-                    path = self.fs.concat_path(self.path, info.relative_path)
-                    handles[info.relative_path] = files.enter_context(open(path, "rb", buffering=0))
-                handle = handles[info.relative_path]
+                handle = files(info.relative_path)
                 target = planner.resolve_tensor(item).detach()
+                targets.append((item, target))
                 if self._places is not None and item.storage_index in self._places.found:
                     place = self._places.found[item.storage_index]
                 else:
@@ -483,8 +505,8 @@ class RestrictedReader(FileSystemReader):
         read_places(self._root, direct)
         for target, loaded in held:
             target.copy_(loaded)
-        for item in tensors:
-            planner.commit_tensor(item, planner.resolve_tensor(item).detach())
+        for item, target in targets:
+            planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -560,14 +582,14 @@ def load_restricted(
     """DCP's load of ``template`` through the restricted reader and planner;
     whatever DCP cannot read (an object weights_only refuses, a file that does
     not hold what the metadata says) is refused, named, never a traceback."""
-    distributed = bool(dist.is_available() and dist.is_initialized())
     try:
-        dcp_load(
-            template,
-            storage_reader=RestrictedReader(root, places),
-            planner=planner,
-            no_dist=not distributed,
-        )
+        with single_process_quiet():
+            dcp_load(
+                template,
+                storage_reader=RestrictedReader(root, places),
+                planner=planner,
+                no_dist=not distributed(),
+            )
     except StateDirRejected:
         raise
     except (Exception, CheckpointException) as error:  # DCP wraps each rank's failure

@@ -27,7 +27,6 @@ import re
 import shutil
 import tempfile
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,10 +67,12 @@ from nanrunbook.capture.incident import rank_member
 from nanrunbook.capture.torch._dcp_reader import (
     RecordPlaces,
     WeightsOnlyPlanner,
+    distributed,
     load_restricted,
     read_metadata,
     read_places,
     record_places,
+    single_process_quiet,
 )
 from nanrunbook.capture.torch._every_rank import agree, from_rank0
 from nanrunbook.errors import Violation, quote
@@ -104,18 +105,6 @@ _MEMBER = re.compile(r"rank-(\d{5})/")
 _SHOWN = 4  # differences named in a key, shape or dtype refusal
 
 
-def _distributed() -> bool:
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    # DCP warns on every single-process save and load that it assumes one process.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
-        yield
-
-
 def write_state_dir(
     path: Path,
     *,
@@ -138,7 +127,7 @@ def write_state_dir(
     for name in documents:
         if not _DOCUMENT_NAME.fullmatch(name):
             raise ValueError(f"document name {name!r} is not lower-case letters, digits and _")
-    if every_rank and _distributed() and dist.get_world_size() > 1:
+    if every_rank and distributed() and dist.get_world_size() > 1:
         return _write_every_rank(target, kind_format, state, documents, header)
     _check_target(target)
     with atomic_directory(target) as temp:
@@ -170,8 +159,8 @@ def _save_hashed(root: Path, state: Mapping[str, Any]) -> dict[str, FileDigest]:
     )
     hashing = _HashingFileSystem()
     writer.fs = hashing
-    with _single_process_quiet():
-        dcp_save(dict(state), storage_writer=writer, no_dist=not _distributed())
+    with single_process_quiet():
+        dcp_save(dict(state), storage_writer=writer, no_dist=not distributed())
     return {
         path.relative_to(root).as_posix(): digest
         for path, digest in hashing.written.items()
@@ -393,16 +382,6 @@ def _digests(
     return found
 
 
-def _load(
-    template: dict[str, Any],
-    root: Path,
-    planner: WeightsOnlyPlanner,
-    places: RecordPlaces | None = None,
-) -> None:
-    with _single_process_quiet():
-        load_restricted(template, root, planner, places)
-
-
 def _flat(state: Mapping[str, Any]) -> dict[str, Any]:
     flat, _ = flatten_state_dict(dict(state))
     return flat
@@ -472,7 +451,7 @@ def load_verified_state(
     if differences:
         raise StateDirRejected(differences)
     target = dict(state)
-    _load(target, root, WeightsOnlyPlanner())
+    load_restricted(target, root, WeightsOnlyPlanner())
     if isinstance(state, dict):
         state.update(target)  # non-tensor values DCP replaced at the top level
 
@@ -518,7 +497,7 @@ def read_verified_state_dir(
         else:
             template[key] = None
     planner = WeightsOnlyPlanner(flatten_state_dict=False)
-    _load(template, root, planner)
+    load_restricted(template, root, planner)
     loaded: dict[str, Any] = planner.state_dict  # DCP's copy of the flat dict, values set
     return manifest, _nested(metadata, loaded), _documents(root, manifest)
 
@@ -579,7 +558,7 @@ class StateOutline:
                 template[key] = target
         if template:  # first: a record of DCP's way that fails leaves every target as it was
             planner = WeightsOnlyPlanner(flatten_state_dict=False)
-            _load(template, self.root, planner, self.places)
+            load_restricted(template, self.root, planner, self.places)
         read_places(self.root, direct)
         return _nested(self.metadata, {**self.values, **targets})
 
@@ -596,7 +575,7 @@ def outline_verified_state_dir(path: Path, manifest: StateDirManifest) -> StateO
     }
     if values:
         planner = WeightsOnlyPlanner(flatten_state_dict=False)
-        _load(values, root, planner)
+        load_restricted(values, root, planner)
         values = dict(planner.state_dict)
     places = record_places(root, metadata)
     return StateOutline(root, metadata, values, _documents(root, manifest), places)
